@@ -1,0 +1,228 @@
+"""MiniMaxM3Config: the text decoder's hyper-parameters, read from a HuggingFace config.json dict.
+
+Field names are the checkpoint's own (``hidden_size``, ``num_local_experts``, the
+``sparse_attention_config`` sub-dict, per-layer ``moe_layer_freq`` flags, ...). A top-level
+multimodal config with the text model under ``text_config`` is accepted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .constants import MX_BLOCK
+
+DENSE = "dense"
+SPARSE_MOE = "sparse_moe"
+
+
+class ConfigError(ValueError):
+    """A config.json field is missing, mistyped or outside what the model supports."""
+
+
+@dataclass(frozen=True)
+class MiniMaxM3Config:
+    vocab_size: int = 200064
+    hidden_size: int = 6144
+    num_hidden_layers: int = 60
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5_000_000.0
+    rotary_dim: int = 64
+    hidden_act: str = "swigluoai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    dense_intermediate_size: int = 12288
+    intermediate_size: int = 3072  # per routed expert
+    shared_intermediate_size: int = 3072
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    n_shared_experts: int = 1
+    scoring_func: str = "sigmoid"
+    use_routing_bias: bool = True
+    routed_scaling_factor: float = 2.0
+    use_qk_norm: bool = True
+    qk_norm_type: str = "per_head"
+    tie_word_embeddings: bool = False
+    # Per layer: 1 = MoE FFN / block-sparse attention, 0 = dense MLP / full attention.
+    moe_layer_freq: tuple[int, ...] = field(default_factory=lambda: (0,) * 3 + (1,) * 57)
+    sparse_attention_freq: tuple[int, ...] = field(default_factory=lambda: (0,) * 3 + (1,) * 57)
+    sparse_block_size: int = 128
+    sparse_topk_blocks: int = 16
+    sparse_num_index_heads: int = 4
+    sparse_index_dim: int = 128
+    sparse_init_block: int = 0
+    sparse_local_block: int = 1
+    sparse_score_type: str = "max"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def index_q_size(self) -> int:
+        return self.sparse_num_index_heads * self.sparse_index_dim
+
+    def qkv_size(self, layer: int) -> int:
+        """Width of the fused projection [q | k | v (| index_q | index_k)] of a layer."""
+        width = self.q_size + 2 * self.kv_size
+        if self.layer_kind(layer) == SPARSE_MOE:
+            width += self.index_q_size + self.sparse_index_dim
+        return width
+
+    def layer_kind(self, layer: int) -> str:
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ConfigError(f"layer index {layer} outside 0..{self.num_hidden_layers - 1}")
+        return SPARSE_MOE if self.moe_layer_freq[layer] else DENSE
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def num_dense_prefix(self) -> int:
+        kinds = self.layer_kinds
+        return next((i for i, k in enumerate(kinds) if k == SPARSE_MOE), len(kinds))
+
+    # ---- validation ------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"config field '{name}': {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "dense_intermediate_size",
+                     "intermediate_size", "num_local_experts", "num_experts_per_tok",
+                     "sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads",
+                     "sparse_index_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+                 f"expected a positive integer, got {value!r}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_attention_heads",
+             f"must be a multiple of num_key_value_heads={self.num_key_value_heads}, "
+             f"got {self.num_attention_heads}")
+        need(0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, "rotary_dim",
+             f"expected an even number in 2..head_dim={self.head_dim}, got {self.rotary_dim}")
+        need(self.hidden_act in ("swigluoai", "swiglu_oai"), "hidden_act",
+             f"expected 'swigluoai', got {self.hidden_act!r}")
+        need(self.scoring_func == "sigmoid", "scoring_func",
+             f"expected 'sigmoid', got {self.scoring_func!r}")
+        need(self.num_experts_per_tok <= self.num_local_experts, "num_experts_per_tok",
+             f"must be <= num_local_experts={self.num_local_experts}, got {self.num_experts_per_tok}")
+        need(self.n_shared_experts in (0, 1), "n_shared_experts",
+             f"expected 0 or 1, got {self.n_shared_experts}")
+        need(self.use_qk_norm and self.qk_norm_type == "per_head", "qk_norm_type",
+             f"expected per-head qk norm, got use_qk_norm={self.use_qk_norm}, "
+             f"qk_norm_type={self.qk_norm_type!r}")
+        for name in ("hidden_size", "intermediate_size", "shared_intermediate_size",
+                     "dense_intermediate_size"):
+            value = getattr(self, name)
+            need(value % MX_BLOCK == 0, name, f"must be a multiple of {MX_BLOCK} (MX block), got {value}")
+        need(self.q_size % MX_BLOCK == 0, "num_attention_heads",
+             f"heads*head_dim must be a multiple of {MX_BLOCK}, got {self.q_size}")
+        for name in ("moe_layer_freq", "sparse_attention_freq"):
+            flags = getattr(self, name)
+            need(len(flags) == self.num_hidden_layers and all(f in (0, 1) for f in flags), name,
+                 f"expected {self.num_hidden_layers} flags of 0/1, got {list(flags)}")
+        for i, (moe, sparse) in enumerate(zip(self.moe_layer_freq, self.sparse_attention_freq)):
+            need(moe == sparse, "sparse_attention_freq",
+                 f"layer {i} has moe={moe} but sparse attention={sparse}; only dense+full-attention "
+                 "and MoE+sparse-attention layers exist in MiniMax-M3")
+        if any(self.moe_layer_freq):
+            need(self.sparse_num_index_heads == self.num_key_value_heads,
+                 "sparse_attention_config.sparse_num_index_heads",
+                 f"must equal num_key_value_heads={self.num_key_value_heads} (index head h serves "
+                 f"kv head h), got {self.sparse_num_index_heads}")
+            need(self.sparse_index_dim == self.head_dim, "sparse_attention_config.sparse_index_dim",
+                 f"must equal head_dim={self.head_dim}, got {self.sparse_index_dim}")
+            need(self.sparse_init_block == 0, "sparse_attention_config.sparse_init_block",
+                 f"only 0 init blocks are supported, got {self.sparse_init_block}")
+            need(self.sparse_local_block == 1, "sparse_attention_config.sparse_local_block",
+                 f"only 1 local block is supported, got {self.sparse_local_block}")
+            need(self.sparse_score_type == "max", "sparse_attention_config.sparse_score_type",
+                 f"only 'max' block scores are supported, got {self.sparse_score_type!r}")
+
+    # ---- HuggingFace config.json ---------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> "MiniMaxM3Config":
+        if not isinstance(config, dict):
+            raise ConfigError(f"expected a config.json dict, got {type(config).__name__}")
+        text = config.get("text_config") or config
+        sparse = dict(text.get("sparse_attention_config") or {})
+        kwargs: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in text.items():
+            if key in names:
+                kwargs[key] = value
+        if "rotary_dim" not in text and "partial_rotary_factor" in text:
+            head_dim = text.get("head_dim", cls.head_dim)
+            kwargs["rotary_dim"] = int(head_dim * float(text["partial_rotary_factor"]))
+        if "num_local_experts" not in text and "num_experts" in text:
+            kwargs["num_local_experts"] = text["num_experts"]
+        for key in ("sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads",
+                    "sparse_index_dim", "sparse_init_block", "sparse_local_block", "sparse_score_type"):
+            if key in sparse:
+                kwargs[key] = sparse[key]
+        layers = int(kwargs.get("num_hidden_layers", cls.num_hidden_layers))
+        for key, src in (("moe_layer_freq", text.get("moe_layer_freq")),
+                         ("sparse_attention_freq", sparse.get("sparse_attention_freq"))):
+            if src is None:
+                kwargs[key] = (0,) * min(3, layers) + (1,) * max(0, layers - 3)
+            elif isinstance(src, int):  # "every k-th layer" form
+                kwargs[key] = tuple(int(i % src == src - 1) if src > 0 else 0 for i in range(layers))
+            else:
+                kwargs[key] = tuple(int(v) for v in src)
+        for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
+            if key in kwargs:
+                kwargs[key] = float(kwargs[key])
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        sparse = {k: out.pop(k) for k in list(out) if k.startswith("sparse_") and k != "sparse_attention_freq"}
+        sparse["sparse_attention_freq"] = list(out.pop("sparse_attention_freq"))
+        sparse["use_sparse_attention"] = True
+        out["moe_layer_freq"] = list(out["moe_layer_freq"])
+        out["sparse_attention_config"] = sparse
+        out["architectures"] = ["MiniMaxM3SparseForCausalLM"]
+        return out
+
+    def replace(self, **changes: Any) -> "MiniMaxM3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _tiny(num_layers: int = 3, num_dense: int = 1) -> MiniMaxM3Config:
+    flags = (0,) * num_dense + (1,) * (num_layers - num_dense)
+    return MiniMaxM3Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, rotary_dim=16, max_position_embeddings=4096,
+        dense_intermediate_size=96, intermediate_size=32, shared_intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, moe_layer_freq=flags,
+        sparse_attention_freq=flags, sparse_block_size=16, sparse_topk_blocks=4,
+        sparse_num_index_heads=2, sparse_index_dim=32)
+
+
+PRESETS = {
+    "real": MiniMaxM3Config,  # MiniMaxAI/MiniMax-M3's text config
+    "tiny": _tiny,  # 3 layers (1 dense, 2 sparse MoE), 16-token blocks, top-4 blocks
+    "tiny2": lambda: _tiny(2, 1),  # 1 dense + 1 sparse MoE layer, for graph snapshots
+}
+
+
+def preset(name: str) -> MiniMaxM3Config:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None

@@ -1,0 +1,26 @@
+"""Ahead-of-time compile specs: how CI proves every kernel compiles for CUDA sm_90 and AMD
+gfx942 / gfx950 without a GPU (the interpreter never runs the real compiler).
+
+Each kernel module defines ``aot_specs() -> list[KernelSpec]`` listing representative
+specialisations (the constexpr values the wrappers really launch with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64), ("hip", "gfx950", 64))
+
+
+@dataclass
+class KernelSpec:
+    kernel: Any  # a @triton.jit function
+    signature: dict[str, str]  # every non-constexpr argument -> triton type ("*bf16", "i32", "fp32", ...)
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+    name: str = ""
+
+    def label(self) -> str:
+        return self.name or getattr(self.kernel, "__name__", repr(self.kernel))
