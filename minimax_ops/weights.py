@@ -1,0 +1,129 @@
+"""Weight containers of the text model, in the form the ops take them, and random initialisers.
+
+A linear weight is a (weight, scale) pair whose format follows from the dtypes (see formats.py).
+Dense layers keep their MLP in ``w13`` [2I, H] / ``w2`` [H, I]; sparse MoE layers keep expert
+tables there ([E', 2I, H] / [E', H, I]) with the shared expert either as table entry E (E' = E + 1)
+or separate in ``shared_w13`` / ``shared_w2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
+from .formats import WeightFormat, quantize
+
+SHARED_SEPARATE = "separate"
+SHARED_IN_TABLE = "table"
+
+
+@dataclass
+class LayerWeights:
+    kind: str
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_scale: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_proj_scale: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w13: torch.Tensor
+    w13_scale: torch.Tensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor | None
+    index_q_norm: torch.Tensor | None = None
+    index_k_norm: torch.Tensor | None = None
+    gate: torch.Tensor | None = None  # fp32 [E, H]
+    gate_bias: torch.Tensor | None = None  # fp32 [E]
+    shared_w13: torch.Tensor | None = None
+    shared_w13_scale: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+    shared_w2_scale: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def to(self, device) -> "LayerWeights":
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    @property
+    def shared_in_table(self) -> bool:
+        return self.kind == SPARSE_MOE and self.shared_w13 is None and self.gate is not None \
+            and self.w13.shape[0] == self.gate.shape[0] + 1
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # bf16 [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # bf16 [V, H]
+
+    def to(self, device) -> "ModelWeights":
+        return ModelWeights(self.embed.to(device), [w.to(device) for w in self.layers],
+                            self.final_norm.to(device), self.lm_head.to(device))
+
+
+def _randn(shape, generator, std) -> torch.Tensor:
+    return torch.randn(shape, generator=generator) * std
+
+
+def _linear(n: int, k: int, fmt, generator, experts: int | None = None):
+    shape = (n, k) if experts is None else (experts, n, k)
+    return quantize(_randn(shape, generator, k ** -0.5), fmt)
+
+
+def _norm(size: int, generator) -> torch.Tensor:
+    # Gemma norms scale by (1 + w): small random w keeps activations near unit RMS.
+    return _randn((size,), generator, 0.1).to(torch.bfloat16)
+
+
+def random_layer_weights(config: MiniMaxM3Config, layer: int, *, linear_format: str = "bf16",
+                         expert_format: str | None = None, shared: str = SHARED_SEPARATE,
+                         shared_format: str | None = None, generator: torch.Generator | None = None,
+                         device: torch.device | str = "cpu") -> LayerWeights:
+    """Random weights with unit-variance outputs. linear_format applies to qkv, o_proj and dense MLPs,
+    expert_format (default: linear_format) to routed experts, shared_format (default: expert_format)
+    to a separate shared expert."""
+    expert_format = WeightFormat(expert_format or linear_format)
+    shared_format = WeightFormat(shared_format or expert_format)
+    if shared not in (SHARED_SEPARATE, SHARED_IN_TABLE):
+        raise ValueError(f"shared: expected {SHARED_SEPARATE!r} or {SHARED_IN_TABLE!r}, got {shared!r}")
+    c, g, hid = config, generator, config.hidden_size
+    kind = c.layer_kind(layer)
+    qkv, qkv_s = _linear(c.qkv_size(layer), hid, linear_format, g)
+    o, o_s = _linear(hid, c.q_size, linear_format, g)
+    fields = dict(kind=kind, input_norm=_norm(hid, g), post_norm=_norm(hid, g), qkv=qkv, qkv_scale=qkv_s,
+                  o_proj=o, o_proj_scale=o_s, q_norm=_norm(c.head_dim, g), k_norm=_norm(c.head_dim, g))
+    if kind == DENSE:
+        inter = c.dense_intermediate_size
+        w13, w13_s = _linear(2 * inter, hid, linear_format, g)
+        w2, w2_s = _linear(hid, inter, linear_format, g)
+        return LayerWeights(**fields, w13=w13, w13_scale=w13_s, w2=w2, w2_scale=w2_s).to(device)
+    experts = c.num_local_experts + (1 if shared == SHARED_IN_TABLE and c.n_shared_experts else 0)
+    w13, w13_s = _linear(2 * c.intermediate_size, hid, expert_format, g, experts)
+    w2, w2_s = _linear(hid, c.intermediate_size, expert_format, g, experts)
+    fields.update(index_q_norm=_norm(c.sparse_index_dim, g), index_k_norm=_norm(c.sparse_index_dim, g),
+                  gate=_randn((c.num_local_experts, hid), g, hid ** -0.5),
+                  gate_bias=_randn((c.num_local_experts,), g, 0.1),
+                  w13=w13, w13_scale=w13_s, w2=w2, w2_scale=w2_s)
+    if shared == SHARED_SEPARATE and c.n_shared_experts:
+        s13, s13_s = _linear(2 * c.shared_intermediate_size, hid, shared_format, g)
+        s2, s2_s = _linear(hid, c.shared_intermediate_size, shared_format, g)
+        fields.update(shared_w13=s13, shared_w13_scale=s13_s, shared_w2=s2, shared_w2_scale=s2_s)
+    return LayerWeights(**fields).to(device)
+
+
+def random_model_weights(config: MiniMaxM3Config, *, generator: torch.Generator | None = None,
+                         device: torch.device | str = "cpu", **formats) -> ModelWeights:
+    hid, vocab = config.hidden_size, config.vocab_size
+    layers = [random_layer_weights(config, i, generator=generator, device=device, **formats)
+              for i in range(config.num_hidden_layers)]
+    embed = _randn((vocab, hid), generator, 1.0).to(torch.bfloat16)
+    lm_head = _randn((vocab, hid), generator, hid ** -0.5).to(torch.bfloat16)
+    return ModelWeights(embed.to(device), layers, _norm(hid, generator).to(device), lm_head.to(device))
