@@ -33,20 +33,16 @@ class StepMetadata:
     seq_lens: torch.Tensor  # int32 [B], cached tokens + this step's tokens; 0 = padding request
     query_lens: tuple[int, ...]  # host: tokens per request in this step
     num_prefills: int = 0  # host: requests in this step that are prefills
+    query_len: int = 0  # host: the uniform per-request query length, 0 when lengths differ
+
+    def __post_init__(self) -> None:
+        lens = set(self.query_lens)
+        if not self.query_len and len(lens) == 1:
+            self.query_len = lens.pop()
 
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
-
-    @property
-    def query_len(self) -> int:
-        """The uniform per-request query length of a decode step (0 when lengths differ)."""
-        lens = set(self.query_lens)
-        return lens.pop() if len(lens) == 1 else 0
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        return self.num_prefills == 0 and self.query_len > 0
 
     def to(self, device: torch.device | str) -> "StepMetadata":
         return dataclasses.replace(self, **{

@@ -1,0 +1,124 @@
+"""MiniMaxM3ForCausalLM: the compile-ready text model, written in the torch.ops.minimax vocabulary.
+
+Its forward branches in Python on host-side step facts (``decode_eligible``): under torch.compile
+each predicate becomes a Dynamo guard, so a step that fails one (a prefill, 17 tokens, int32
+positions, ...) traces a different graph and never reaches the decode chain that the graph pass
+fuses. Caches and step metadata are forward arguments, not module state: re-allocating a cache
+needs no rebuild and bakes no pointer anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import LayerCache, StepMetadata
+from .config import SPARSE_MOE, MiniMaxM3Config
+from .constants import MAX_TOKENS
+from .weights import LayerWeights, ModelWeights
+
+minimax = torch.ops.minimax
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+def decode_eligible(num_tokens: int, positions: torch.Tensor, meta: StepMetadata) -> bool:
+    """Host-side facts that make a step a fusable decode (each one a guard under torch.compile)."""
+    return (meta.num_prefills == 0 and 1 <= num_tokens <= MAX_TOKENS and meta.query_len >= 1
+            and num_tokens % meta.query_len == 0 and positions.dtype == torch.int64
+            and meta.slot_mapping.dtype == torch.int64 and meta.index_slot_mapping.dtype == torch.int64
+            and meta.block_table.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+            and meta.block_table.is_contiguous())
+
+
+class MiniMaxM3DecoderLayer(nn.Module):
+    """One decoder layer; parameters in the fused forms the ops take (see loader.py for the mapping
+    from the checkpoint's tensor names)."""
+
+    def __init__(self, config: MiniMaxM3Config, weights: LayerWeights, layer_index: int):
+        super().__init__()
+        self.config, self.kind, self.layer_index = config, weights.kind, layer_index
+        self.k_scale, self.v_scale = 1.0, 1.0  # fp8 KV dequant scales (per layer scalars)
+        for name, t in weights.tensors().items():
+            self.register_parameter(name, _param(t))
+        for name in ("qkv_scale", "o_proj_scale", "w13_scale", "w2_scale", "index_q_norm", "index_k_norm",
+                     "gate", "gate_bias", "shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale"):
+            if not hasattr(self, name):
+                setattr(self, name, None)
+
+    @property
+    def sparse(self) -> bool:
+        return self.kind == SPARSE_MOE
+
+    def forward(self, x, residual, positions, cache: LayerCache, meta: StepMetadata, decode: bool):
+        c = self.config
+        h, residual = minimax.add_rmsnorm(x, residual, self.input_norm, c.rms_norm_eps)
+        qkv = minimax.mx_linear(h, self.qkv, self.qkv_scale)
+        attn = self._attention(qkv, positions, cache, meta, decode)
+        o = minimax.mx_linear(attn, self.o_proj, self.o_proj_scale)
+        h, residual = minimax.add_rmsnorm(o, residual, self.post_norm, c.rms_norm_eps)
+        if not self.sparse:
+            return minimax.mlp(h, self.w13, self.w13_scale, self.w2, self.w2_scale, c.swiglu_alpha,
+                               c.swiglu_limit), residual
+        weights, ids = minimax.route(h, self.gate, self.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
+        out = minimax.moe_experts(h, ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale,
+                                  self.shared_w13, self.shared_w13_scale, self.shared_w2, self.shared_w2_scale,
+                                  c.num_local_experts, c.swiglu_alpha, c.swiglu_limit)
+        return out, residual
+
+    def _attention(self, qkv, positions, cache: LayerCache, meta: StepMetadata, decode: bool):
+        c = self.config
+        dims = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta,
+                c.rms_norm_eps)
+        if self.sparse:
+            q, index_q = minimax.qk_norm_rope_kv_index_insert(
+                qkv, positions, meta.slot_mapping, meta.index_slot_mapping, self.q_norm, self.k_norm,
+                self.index_q_norm, self.index_k_norm, cache.kv, cache.index, *dims, c.sparse_num_index_heads,
+                c.sparse_index_dim)
+        else:
+            q = minimax.qk_norm_rope_kv_insert(qkv, positions, meta.slot_mapping, self.q_norm, self.k_norm,
+                                               cache.kv, *dims)
+            index_q = None
+        if not decode:
+            return minimax.attention_any_step(q, index_q, cache.kv, cache.index, meta.block_table, meta.seq_lens,
+                                              list(meta.query_lens), c.sparse_topk_blocks, self.k_scale,
+                                              self.v_scale)
+        if not self.sparse:
+            return minimax.dense_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, meta.query_len,
+                                                  self.k_scale, self.v_scale)
+        block_ids = minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
+                                       c.sparse_topk_blocks)
+        return minimax.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, block_ids,
+                                               meta.query_len, self.k_scale, self.v_scale)
+
+
+class MiniMaxM3Model(nn.Module):
+    def __init__(self, config: MiniMaxM3Config, weights: ModelWeights):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(weights.embed, freeze=True)
+        self.layers = nn.ModuleList(MiniMaxM3DecoderLayer(config, w, i) for i, w in enumerate(weights.layers))
+        self.norm = _param(weights.final_norm)
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    """forward(input_ids, positions, caches, meta) -> fp32 logits [n, vocab], for prefill and decode."""
+
+    def __init__(self, config: MiniMaxM3Config, weights: ModelWeights):
+        super().__init__()
+        if len(weights.layers) != config.num_hidden_layers:
+            raise ValueError(f"weights: expected {config.num_hidden_layers} layers, got {len(weights.layers)}")
+        self.config = config
+        self.model = MiniMaxM3Model(config, weights)
+        self.lm_head = _param(weights.lm_head)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: StepMetadata) -> torch.Tensor:
+        decode = decode_eligible(input_ids.shape[0], positions, meta)
+        x = self.model.embed_tokens(input_ids)
+        residual = torch.zeros_like(x)
+        for layer, cache in zip(self.model.layers, caches):
+            x, residual = layer(x, residual, positions, cache, meta, decode)
+        h, _ = minimax.add_rmsnorm(x, residual, self.model.norm, self.config.rms_norm_eps)
+        return minimax.mx_linear(h, self.lm_head, None).float()

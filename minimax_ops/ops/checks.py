@@ -1,0 +1,93 @@
+"""Input checks shared by the fake and the real implementations of every op.
+
+They read only shapes, dtypes and strides, so they run on FakeTensors at trace time and on real
+tensors eagerly, and each failure names the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..constants import MAX_TOKENS
+from ..formats import WeightFormat, logical_in_features, weight_format
+
+CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def check(cond, msg: str) -> None:
+    torch._check(cond, lambda: msg)
+
+
+def check_dtype(name: str, t: torch.Tensor, dtypes: torch.dtype | Sequence[torch.dtype]) -> None:
+    dtypes = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+    check(t.dtype in dtypes, f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:
+    """shape entries of None match any size."""
+    check(t.dim() == len(shape), f"{name}: expected {len(shape)} dimensions {tuple(shape)}, got shape {tuple(t.shape)}")
+    for i, (got, want) in enumerate(zip(t.shape, shape)):
+        if want is not None:
+            check(got == want, f"{name}: expected size {want} in dimension {i}, got shape {tuple(t.shape)}")
+
+
+def check_device(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    check(t.device == like.device, f"{name}: expected a tensor on {like.device}, got {t.device}")
+
+
+def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                 experts: bool = False) -> WeightFormat:
+    """A (weight, scale) pair of any supported format whose K matches x's last dimension."""
+    try:
+        fmt = weight_format(weight, scale)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    rank = 3 if experts else 2
+    check(weight.dim() == rank, f"{name}: expected a {rank}-d weight, got shape {tuple(weight.shape)}")
+    k = logical_in_features(weight)
+    check(x.shape[-1] == k, f"{name}: weight takes {k} input features, the activation has {x.shape[-1]}")
+    if scale is not None:
+        check_shape(f"{name}_scale", scale, (*weight.shape[:-1], k // 32))
+    return fmt
+
+
+def check_activation(name: str, x: torch.Tensor, width: int | None = None) -> None:
+    check_dtype(name, x, torch.bfloat16)
+    check_shape(name, x, (None, width))
+
+
+def check_cache(name: str, cache: torch.Tensor, shape: Sequence[int | None]) -> None:
+    check_dtype(name, cache, CACHE_DTYPES)
+    check_shape(name, cache, shape)
+    check(cache.is_contiguous(), f"{name}: expected a contiguous cache, got strides {cache.stride()}")
+
+
+def check_step(n, positions: torch.Tensor | None, slot_mapping: torch.Tensor | None, block_table: torch.Tensor | None,
+               seq_lens: torch.Tensor | None, query_len: int | None = None) -> None:
+    """Step metadata: int64 positions / slots covering the n tokens, an int32 row-contiguous block
+    table and int32 seq_lens covering the n / query_len requests."""
+    if positions is not None:
+        check_dtype("positions", positions, torch.int64)
+        check_shape("positions", positions, (n,))
+    if slot_mapping is not None:
+        check_dtype("slot_mapping", slot_mapping, torch.int64)
+        check_shape("slot_mapping", slot_mapping, (n,))
+    if block_table is not None:
+        check_dtype("block_table", block_table, torch.int32)
+        check(block_table.dim() == 2, f"block_table: expected [requests, width], got shape {tuple(block_table.shape)}")
+        check(block_table.stride(-1) == 1 and block_table.stride(0) == block_table.shape[1],
+              f"block_table: expected a row-contiguous table, got strides {block_table.stride()}")
+    if seq_lens is not None:
+        check_dtype("seq_lens", seq_lens, torch.int32)
+        check(seq_lens.dim() == 1, f"seq_lens: expected 1 dimension, got shape {tuple(seq_lens.shape)}")
+    if query_len is not None:
+        check(1 <= query_len <= MAX_TOKENS, f"query_len: expected 1..{MAX_TOKENS}, got {query_len}")
+        check(n % query_len == 0, f"tokens: expected a multiple of query_len={query_len}, got {n}")
+        if block_table is not None:
+            check(block_table.shape[0] * query_len >= n,
+                  f"block_table: expected at least {n // query_len} rows for {n} tokens, got {block_table.shape[0]}")
+        if seq_lens is not None:
+            check(seq_lens.shape[0] * query_len >= n,
+                  f"seq_lens: expected at least {n // query_len} entries for {n} tokens, got {seq_lens.shape[0]}")
