@@ -66,7 +66,10 @@ def _fill(t: torch.Tensor, fill: str, generator: torch.Generator | None) -> torc
         noise = torch.randn(t.shape, generator=generator, device="cpu")
         return t.copy_(noise.to(t.device).to(t.dtype))
     if fill == "nan":  # poison: any read of an unwritten slot shows up
-        return t.view(torch.uint8).fill_(0x7F) if t.element_size() == 1 else t.fill_(float("nan"))
+        if t.element_size() == 1:  # fp8 e4m3fn: 0x7F is NaN; fill through a byte view, return t itself
+            t.view(torch.uint8).fill_(0x7F)
+            return t
+        return t.fill_(float("nan"))
     raise ValueError(f"fill: expected 'zeros', 'random' or 'nan', got {fill!r}")
 
 
@@ -106,9 +109,12 @@ def build_step(context_lens: list[int], query_lens: int | list[int], *, block_si
         query_lens = [query_lens] * len(context_lens)
     if len(query_lens) != len(context_lens):
         raise ValueError(f"query_lens: expected {len(context_lens)} entries, got {len(query_lens)}")
+    if block_ids is not None and len(block_ids) != len(context_lens):
+        raise ValueError(f"block_ids: expected {len(context_lens)} lists, got {len(block_ids)}")
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     need = [-(-s // block_size) for s in seq_lens]
-    width = table_width or max([1, *need])
+    # A request may already hold more blocks than this step needs (reused block_ids): keep them all.
+    width = table_width or max([1, *need, *(len(ids) for ids in block_ids or [])])
     if max([0, *need]) > width:
         raise ValueError(f"table_width={width} is too small for {max(need)} blocks")
     if block_ids is None:
@@ -131,7 +137,7 @@ def build_step(context_lens: list[int], query_lens: int | list[int], *, block_si
     table = torch.zeros(len(seq_lens) + pad_requests, width, dtype=torch.int32)
     positions, slots = [], []
     for r, (ids, ctx, q) in enumerate(zip(block_ids, context_lens, query_lens)):
-        table[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        table[r, :min(len(ids), width)] = torch.tensor(ids[:width], dtype=torch.int32)
         for p in range(ctx, ctx + q):
             positions.append(p)
             slots.append(ids[p // block_size] * block_size + p % block_size)

@@ -35,7 +35,7 @@ def apply_partial_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int
     x = x.float()
     cos, sin = (t[:, None, :] for t in rope_cos_sin(positions, rotary_dim, theta))
     half = rotary_dim // 2
-    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]], dim=-1)
 
 

@@ -1,0 +1,140 @@
+"""MiniMaxM3DecodePass: a post-grad FX pass that rewrites each eligible decode layer into
+``torch.ops.minimax.fused_decode_layer`` (sparse MoE) or ``fused_dense_decode_layer`` (dense).
+
+Order of decisions, none of them per step at run time:
+1. deployment (once per pass instance): Deployment facts -> refuse all, graph untouched;
+2. compile range: only ranges ending at or below MAX_TOKENS tokens (is_applicable_for_range);
+3. per layer at match time: the chain's structure (decode_layer_patterns.py) and the step guards on
+   FakeTensor metadata (guards.py). A refused layer stays unfused.
+Each refusal reason is logged once through logging.getLogger("minimax_ops").
+
+Plain torch.compile: ``torch.compile(model, options={"post_grad_custom_post_pass":
+graph_passes.minimax_m3_decode_pass})``. vLLM: ``CompilationConfig(inductor_passes=
+{"post_grad_custom_post_pass": "graph_passes.minimax_m3_decode_pass"})``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from typing import Any
+
+from torch.fx import Graph
+
+from minimax_ops.constants import MAX_TOKENS
+from minimax_ops.log import log_once, logger
+
+from .decode_layer_patterns import PATTERNS, Refused
+from .deployment import Deployment, deployment_refusal
+from .fx_utils import op_of
+from .guards import step_refusal
+
+try:  # vLLM wants an InductorPass instance; without vLLM, torch's CustomGraphPass is the contract
+    from vllm.compilation.passes.inductor_pass import InductorPass as _PassBase
+except Exception:  # noqa: BLE001 - vLLM absent or unimportable on this machine
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+
+_SOURCES = [pathlib.Path(__file__).parent / name for name in
+            ("fused_decode_pass.py", "decode_layer_patterns.py", "fx_utils.py", "guards.py", "deployment.py")]
+_SOURCES.append(pathlib.Path(__file__).parents[1] / "minimax_ops" / "ops" / "fused.py")
+
+
+class MiniMaxM3DecodePass(_PassBase):
+    """See the module docstring. ``deployment=None`` reads it lazily from vLLM's current config when
+    running under vLLM, else uses the permissive default Deployment()."""
+
+    def __init__(self, deployment: Deployment | None = None, *, record: bool = False):
+        self.deployment = deployment
+        self.record = record
+        self.graphs: list[tuple[str, str]] = []  # (before, after) per call when record=True
+        self.rewrites = 0  # layers fused, over all calls
+        self.calls = 0
+
+    # ---- contract with Inductor / vLLM --------------------------------------------------------
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        for path in _SOURCES:
+            h.update(path.read_bytes())
+        h.update(self._deployment().key().encode())
+        return h.hexdigest()
+
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        end = getattr(compile_range, "end", compile_range)
+        return end is None or end <= MAX_TOKENS
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["graphs"] = []  # recorded graph text is a debugging aid, not configuration
+        return state
+
+    def _deployment(self) -> Deployment:
+        if self.deployment is not None:
+            return self.deployment
+        try:
+            from .vllm_config import deployment_from_current_vllm_config
+            found = deployment_from_current_vllm_config()
+        except ImportError:
+            found = None
+        return found or Deployment()
+
+    # ---- the rewrite ------------------------------------------------------------------------------
+    def __call__(self, graph: Graph) -> None:
+        self.calls += 1
+        before = str(graph) if self.record else ""
+        fused = self.rewrite(graph)
+        if self.record:
+            self.graphs.append((before, str(graph)))
+        logger.debug("minimax_m3_decode_pass fused %d decode layers", fused)
+
+    def rewrite(self, graph: Graph) -> int:
+        deployment = self._deployment()
+        reason = deployment_refusal(deployment)
+        if reason is not None:
+            log_once(f"fused decode refused for this deployment: {reason}")
+            return 0
+        range_ = _current_compile_range()
+        if range_ is not None and not self.is_applicable_for_range(range_):
+            return 0
+        fused = 0
+        anchors = {p.insert_op: p for p in PATTERNS}
+        for node in list(graph.nodes):
+            pattern = anchors.get(op_of(node))
+            if pattern is None or node.graph is not graph:
+                continue
+            try:
+                match = pattern.match(node)
+                why = step_refusal({**match.kwargs, **match.mutated}, deployment)
+                if why is not None:
+                    raise Refused(why)
+                _check_order(graph, match)
+            except Refused as refused:
+                log_once(f"decode layer left unfused: {refused}")
+                continue
+            pattern.replace(graph, match)
+            fused += 1
+        if fused:
+            graph.lint()
+        self.rewrites += fused
+        return fused
+
+
+def _check_order(graph: Graph, match) -> None:
+    """The fused call goes where the chain's last op was: every outside user of a replaced value
+    must come after it, and every input must come before it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    at = order[match.last]
+    chain = set(match.nodes)
+    for old in match.replaced:
+        if old is None:
+            continue
+        for user in old.users:
+            if user not in chain and order[user] < at:
+                raise Refused(f"{user.name} reads a layer output before the layer's last op")
+
+
+def _current_compile_range():
+    try:
+        from vllm.compilation.passes.inductor_pass import get_pass_context
+        return get_pass_context().compile_range
+    except Exception:  # noqa: BLE001 - outside vLLM there is no pass context
+        return None

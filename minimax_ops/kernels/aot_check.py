@@ -1,0 +1,322 @@
+"""Compile every Triton kernel ahead of time for every target in aot.TARGETS, without a GPU.
+
+    python -m minimax_ops.kernels.aot_check                 # all kernel modules, all targets
+    python -m minimax_ops.kernels.aot_check norm moe        # only these modules
+    python -m minimax_ops.kernels.aot_check --list          # what would be compiled, and coverage
+    python -m minimax_ops.kernels.aot_check --target gfx942 --kernel rmsnorm -j 2 --json out.json
+
+Each kernel module lists its specialisations in ``aot_specs() -> list[KernelSpec]``; every one is
+run through the real compiler (``triton.compile(ASTSource(...), target=GPUTarget(...))``) down to
+a cubin (CUDA) or hsaco (HIP). The Triton interpreter replaces ``@triton.jit`` functions, so this
+must run with TRITON_INTERPRET unset (it re-executes itself without it).
+
+Coverage: every ``@triton.jit`` function defined in a kernel module must either be listed in some
+spec or be called (directly or transitively) by a listed kernel; anything else is reported as
+UNCOVERED and fails the check. Prints one line per (spec, target) and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures as futures
+import importlib
+import json
+import multiprocessing
+import os
+import pkgutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+PACKAGE = "minimax_ops.kernels"
+NOT_KERNEL_MODULES = {"aot", "aot_check"}
+
+
+@dataclass
+class Result:
+    module: str
+    name: str  # the spec's label
+    kernel: str  # the @triton.jit function's name
+    target: str  # "cuda:90", "hip:gfx942", ...
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+
+
+# ---- discovery --------------------------------------------------------------------------------------------
+
+
+def module_names() -> list[str]:
+    package = importlib.import_module(PACKAGE)
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name not in NOT_KERNEL_MODULES)
+
+
+def select_modules(filters: list[str]) -> list[str]:
+    names = module_names()
+    if not filters:
+        return names
+    wanted = [f.rsplit(".", 1)[-1].removesuffix(".py") for f in filters]
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise SystemExit(f"unknown kernel module(s) {unknown}; expected some of {names}")
+    return [n for n in names if n in wanted]
+
+
+def _jit_type():
+    from triton.runtime.jit import JITFunction
+    return JITFunction
+
+
+def unwrap(obj):
+    """The JITFunction under @triton.autotune / @triton.heuristics wrappers (None if there is none)."""
+    jit = _jit_type()
+    for _ in range(8):
+        if isinstance(obj, jit):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
+def jit_functions(module: ModuleType) -> dict[str, object]:
+    """@triton.jit functions defined in (not imported into) a module, by name."""
+    out = {}
+    for name, value in vars(module).items():
+        fn = unwrap(value)
+        if fn is not None and getattr(fn, "__module__", None) == module.__name__:
+            out[name] = fn
+    return out
+
+
+def callees(fn) -> list[object]:
+    """@triton.jit functions that fn's body calls (plain names and module attributes)."""
+    scope = fn.get_capture_scope()
+    found = []
+    for node in ast.walk(fn.parse()):
+        if not isinstance(node, ast.Call):
+            continue
+        target, path = node.func, []
+        while isinstance(target, ast.Attribute):
+            path.append(target.attr)
+            target = target.value
+        if not isinstance(target, ast.Name) or target.id not in scope:
+            continue
+        value = scope[target.id]
+        for attr in reversed(path):
+            value = getattr(value, attr, None)
+        callee = unwrap(value)
+        if callee is not None:
+            found.append(callee)
+    return found
+
+
+def reachable(kernels) -> set[int]:
+    """ids of the given kernels and every @triton.jit function they call, transitively."""
+    seen, stack = set(), list(kernels)
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        stack.extend(callees(fn))
+    return seen
+
+
+@dataclass
+class ModuleSpecs:
+    name: str
+    specs: list  # list[KernelSpec]
+    jit: dict  # name -> JITFunction defined in the module
+    error: str = ""  # import or aot_specs() failure
+
+
+def load(name: str) -> ModuleSpecs:
+    try:
+        module = importlib.import_module(f"{PACKAGE}.{name}")
+    except Exception as e:  # a module that does not import is a failure to report, not a crash
+        return ModuleSpecs(name, [], {}, f"import failed: {type(e).__name__}: {e}")
+    jit = jit_functions(module)
+    if not hasattr(module, "aot_specs"):
+        return ModuleSpecs(name, [], jit, "defines @triton.jit kernels but no aot_specs()" if jit else "")
+    try:
+        specs = list(module.aot_specs())
+    except Exception as e:
+        return ModuleSpecs(name, [], jit, f"aot_specs() raised {type(e).__name__}: {e}")
+    return ModuleSpecs(name, specs, jit)
+
+
+def uncovered(loaded: list[ModuleSpecs]) -> list[str]:
+    """'module.function' for every @triton.jit function no spec compiles, directly or as a callee."""
+    listed = [unwrap(s.kernel) for m in loaded for s in m.specs]
+    covered = reachable([k for k in listed if k is not None])
+    return [f"{m.name}.{name}" for m in loaded for name, fn in m.jit.items() if id(fn) not in covered]
+
+
+# ---- compilation ------------------------------------------------------------------------------------------
+
+
+def target_label(target: tuple) -> str:
+    return f"{target[0]}:{target[1]}"
+
+
+def full_signature(spec) -> dict[str, str]:
+    """Triton's ASTSource wants every parameter in the signature, constexprs typed "constexpr"."""
+    kernel = unwrap(spec.kernel)
+    if kernel is None:
+        raise TypeError(f"kernel: expected a @triton.jit function, got {type(spec.kernel).__name__}")
+    constexprs = constexpr_values(spec)
+    names = [p.name for p in kernel.params]
+    missing = [n for n in names if n not in spec.signature and n not in constexprs]
+    unknown = [n for n in list(spec.signature) + list(spec.constexprs) if n not in names]
+    wrong = [n for n, ty in spec.signature.items() if n in names and kernel.params[names.index(n)].is_constexpr
+             and n not in constexprs and ty != "constexpr"]
+    if missing or unknown or wrong:
+        raise TypeError(f"spec {spec.label()!r} does not match {kernel.__name__}{tuple(names)}: "
+                        f"missing {missing}, unknown {unknown}, constexpr without a value {wrong}")
+    return {n: "constexpr" if n in constexprs else spec.signature[n] for n in names}
+
+
+def constexpr_values(spec) -> dict[str, object]:
+    """The spec's constexprs plus the defaults of constexpr parameters it leaves out."""
+    import inspect
+    kernel = unwrap(spec.kernel)
+    values = {}
+    for p in kernel.params:
+        if p.is_constexpr and p.name not in spec.constexprs and p.default is not inspect.Parameter.empty:
+            values[p.name] = p.default
+    values.update(spec.constexprs)
+    return values
+
+
+def compile_spec(spec, target: tuple) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    kernel = unwrap(spec.kernel)
+    signature = full_signature(spec)
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec))
+    compiled = triton.compile(src, target=GPUTarget(*target),
+                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    binary = "cubin" if target[0] == "cuda" else "hsaco"
+    if not compiled.asm.get(binary):
+        raise RuntimeError(f"compiled without producing a {binary}")
+
+
+_LOADED: dict[str, ModuleSpecs] = {}
+
+
+def run_one(module: str, index: int, target: tuple) -> Result:
+    """Compile spec `index` of `module` for `target` (in a worker process or in-process)."""
+    if module not in _LOADED:
+        _LOADED[module] = load(module)
+    spec = _LOADED[module].specs[index]
+    kernel = unwrap(spec.kernel)
+    result = Result(module, spec.label(), getattr(kernel, "__name__", "?"), target_label(target), False)
+    start = time.perf_counter()
+    try:
+        compile_spec(spec, target)
+        result.ok = True
+    except Exception as e:
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        result.error = text or type(e).__name__
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def one_line(error: str) -> str:
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    # Triton's CompilationError puts the source excerpt first and the reason last.
+    return (lines[-1] if lines else "")[:240]
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m minimax_ops.kernels.aot_check", description=__doc__.split("\n")[0])
+    p.add_argument("modules", nargs="*", help="kernel modules to check (default: all), e.g. norm moe")
+    p.add_argument("--list", action="store_true", help="list specs and coverage, compile nothing")
+    p.add_argument("--target", action="append", default=[], help="only targets containing this (e.g. gfx942, cuda)")
+    p.add_argument("--kernel", default="", help="only specs whose label or kernel name contains this")
+    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
+    p.add_argument("--json", metavar="PATH", help="also write results and coverage as JSON")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="use the normal Triton cache (default: a fresh temporary one, so everything really compiles)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # The interpreter swaps @triton.jit for interpreted functions; start over without it.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        print("aot_check: TRITON_INTERPRET is set; re-running without it", flush=True)
+        os.execve(sys.executable, [sys.executable, "-m", "minimax_ops.kernels.aot_check", *argv], env)
+    args = parse_args(argv)
+    from .aot import TARGETS
+
+    names = select_modules(args.modules)
+    loaded = [load(n) for n in names]
+    _LOADED.update({m.name: m for m in loaded})
+    targets = [t for t in TARGETS if not args.target or any(f in target_label(t) for f in args.target)]
+    if not targets:
+        raise SystemExit(f"--target {args.target} matches none of {[target_label(t) for t in TARGETS]}")
+    tasks = [(m.name, i, t) for m in loaded for i, s in enumerate(m.specs)
+             if not args.kernel or args.kernel in s.label() or args.kernel in getattr(unwrap(s.kernel), "__name__", "")
+             for t in targets]
+    missing = uncovered(loaded)
+    broken = [m for m in loaded if m.error]
+
+    for m in loaded:
+        jit_names = ", ".join(m.jit) or "-"
+        print(f"module {m.name}: {len(m.specs)} specs; @triton.jit: {jit_names}" + (f"  [{m.error}]" if m.error else ""))
+    if args.list:
+        for name, i, t in tasks[::len(targets)]:
+            s = _LOADED[name].specs[i]
+            print(f"  {name}.{s.label()}  kernel={getattr(unwrap(s.kernel), '__name__', '?')}  "
+                  f"num_warps={s.num_warps} num_stages={s.num_stages} constexprs={s.constexprs}")
+        print(f"{len(tasks) // len(targets)} specs x {len(targets)} targets = {len(tasks)} compiles")
+    for u in missing:
+        print(f"UNCOVERED {u}: not in any aot_specs() and not called by a listed kernel")
+    if args.list:
+        return 1 if missing or broken else 0
+
+    if not args.keep_cache:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax_aot_")
+    results: list[Result] = []
+    start = time.perf_counter()
+    jobs = max(1, min(args.jobs, len(tasks)))
+    if jobs == 1:
+        outcomes = (run_one(*task) for task in tasks)
+    else:  # spawn: fresh interpreters with this environment (no interpreter, private cache)
+        # Submit the importable module's run_one (this file may be running as __main__).
+        worker = importlib.import_module(f"{PACKAGE}.aot_check").run_one
+        pool = futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        outcomes = (f.result() for f in [pool.submit(worker, *task) for task in tasks])
+    for r in outcomes:
+        results.append(r)
+        status = "ok" if r.ok else f"FAILED {one_line(r.error)}"
+        print(f"{r.target:<11} {r.module}.{r.name} ({r.kernel}) {r.seconds:5.1f}s {status}", flush=True)
+    if jobs > 1:
+        pool.shutdown()
+
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"\n---- {r.target} {r.module}.{r.name}\n{r.error[-3000:]}")
+    for m in broken:
+        print(f"FAILED module {m.name}: {m.error}")
+    per_target = {target_label(t): sum(r.ok for r in results if r.target == target_label(t)) for t in targets}
+    print(f"\n{len(results) - len(failed)}/{len(results)} compiled in {time.perf_counter() - start:.1f}s; "
+          f"ok per target: {per_target}; {len(missing)} uncovered; {len(broken)} broken modules")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": [asdict(r) for r in results], "uncovered": missing,
+                       "broken": {m.name: m.error for m in broken}, "targets": [target_label(t) for t in targets],
+                       "modules": {m.name: sorted(m.jit) for m in loaded}}, f, indent=1)
+    return 1 if failed or missing or broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

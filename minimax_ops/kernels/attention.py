@@ -1,0 +1,274 @@
+"""GQA decode attention over a paged KV cache, block-sparse (selected blocks) or dense (all blocks).
+
+Flash-decoding: ``_attention_split_kernel`` runs on a grid (token, kv head, split); each program walks
+its share of the token's KV tiles (BLOCK_N positions of one block), keeps an online softmax for all
+GROUP query heads of its kv head at once (each K/V tile is loaded once and used in a
+[GROUP, D] x [D, BLOCK_N] tl.dot) and writes an unnormalised partial (acc, max, sum).
+``_attention_merge_kernel`` combines the splits of each (token, query head) into bf16 output.
+
+Sparse and dense share the split kernel (constexpr DENSE): a sparse token's tiles are those of
+its kv head's selected logical blocks (entries -1 or past its last block are skipped); a dense
+token's tiles are all of its blocks 0..nb-1, divided among the splits in-kernel from its real
+length, so the host never reads seq_lens. Causality (positions < kv_len) is a mask, which also
+covers speculative tokens of the same request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import KernelSpec
+
+LOG2E = 1.4426950408889634
+SPLIT_CHUNK = 16  # splits merged per step of the merge kernel's loop
+MAX_TILE = 64  # positions per KV tile: half a 128-token block, so 16 blocks x 4 heads fill an H200
+_INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several splits
+
+
+@triton.jit
+def _attention_split_kernel(
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, block_ids_ptr, part_acc_ptr, part_ml_ptr,
+        stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
+        num_sparse_tiles, num_splits, qk_scale, v_scale,
+        QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
+        DOT_FP32: tl.constexpr):
+    tok = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    req = tok // QUERY_LEN
+    kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
+    nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)
+    if DENSE:
+        total = nb * TILES_PER_BLOCK
+    else:
+        total = tl.where(kv_len > 0, num_sparse_tiles, 0)  # padding rows: no tiles
+    per_split = tl.cdiv(total, num_splits)
+    t_start = split * per_split
+    t_end = tl.minimum(t_start + per_split, total)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP  # BLOCK_G >= 16 rows for tl.dot; extra rows are zeros and never stored
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qn + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; GPUs take bf16 x bf16 -> fp32
+        q = q.to(tl.float32)
+    if not DENSE:
+        # The token's whole selection, to skip repeats: attention is over the union of the blocks.
+        kk = tl.arange(0, BLOCK_TOPK)
+        selection = tl.load(block_ids_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + kk,
+                            mask=kk < num_sparse_tiles // TILES_PER_BLOCK, other=-1)
+    offs = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for t in range(t_start, t_end):
+        slot = t // TILES_PER_BLOCK
+        if DENSE:
+            blk = slot
+        else:
+            blk = tl.load(block_ids_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + slot)
+        ok = (blk >= 0) & (blk < nb)
+        if not DENSE:
+            ok = ok & (tl.sum(((selection == blk) & (kk < slot)).to(tl.int32), axis=0) == 0)
+        page = tl.load(block_table_ptr + req * stride_bt + blk, mask=ok, other=0).to(tl.int64)
+        in_block = (t % TILES_PER_BLOCK) * BLOCK_N + offs
+        valid = ok & (blk * BLOCK_SIZE + in_block < kv_len)
+        # Masked-off rows are never read: unwritten cache slots may hold anything (even NaN).
+        ptrs = kv_ptr + page * stride_kb + kv_head * stride_kh + in_block[:, None] * stride_ks + d[None, :]
+        k = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(ptrs + HEAD_DIM, mask=valid[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:  # fp8 -> bf16 is exact
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale folds in k_scale, 1/sqrt(D), log2(e)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p if DOT_FP32 else p.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    row = ((tok * num_heads + kv_head * GROUP + g).to(tl.int64)) * num_splits + split  # [n, H, S] index
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_scale, mask=g_ok[:, None])
+    parts = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
+    tl.store(part_ml_ptr + row, m_i, mask=g_ok)
+    tl.store(part_ml_ptr + parts + row, l_i, mask=g_ok)
+
+
+@triton.jit
+def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_on,
+                            HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    parts = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
+    base = (tok * num_heads + head).to(tl.int64) * num_splits
+    s = tl.arange(0, SPLIT_CHUNK)
+    d = tl.arange(0, HEAD_DIM)
+    # Pass 1: the largest partial max; pass 2: the rescaled sums (vector accumulators, reduced once).
+    m_vec = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        m = tl.load(part_ml_ptr + base + s0 + s, mask=s0 + s < num_splits, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, m)
+    m_max = tl.max(m_vec, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_vec = tl.zeros([SPLIT_CHUNK], tl.float32)
+    acc = tl.zeros([SPLIT_CHUNK, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        ok = s0 + s < num_splits
+        m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
+        w = tl.exp2(m - m_safe)  # empty splits (m = -inf) weigh 0
+        l_vec += w * tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
+        a = tl.load(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc += w[:, None] * a
+    total = tl.sum(l_vec, axis=0)
+    o = tl.sum(acc, axis=0) / tl.where(total > 0, total, 1.0)  # padding rows: zeros
+    tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    """About four resident programs per SM: enough to hide latency of the scattered block loads."""
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 4 * _SM_COUNTS[index]
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _tile(block_size: int) -> int:
+    return min(block_size, MAX_TILE)
+
+
+def _block_g(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))
+
+
+def _check_common(q, kv_cache, block_table, seq_lens, query_len):
+    _need(q.dim() == 3 and q.dtype == torch.bfloat16 and q.stride(2) == 1,
+          f"q: expected a bf16 [n, heads, head_dim] tensor with a contiguous last dimension, got "
+          f"{q.dtype} shape {tuple(q.shape)}")
+    n, heads, dim = q.shape
+    _need(dim >= 16 and dim & (dim - 1) == 0, f"q: head_dim must be a power of two >= 16, got {dim}")
+    _need(kv_cache.dim() == 4 and kv_cache.shape[3] == 2 * dim and kv_cache.stride(3) == 1
+          and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn),
+          f"kv_cache: expected a bf16/fp8 [blocks, kv_heads, block_size, {2 * dim}] tensor with a contiguous "
+          f"last dimension, got {kv_cache.dtype} shape {tuple(kv_cache.shape)}")
+    kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    _need(heads % kv_heads == 0, f"q: expected a multiple of kv_cache's {kv_heads} kv heads, got {heads}")
+    _need(block_size >= 16 and block_size & (block_size - 1) == 0,
+          f"kv_cache: block size must be a power of two >= 16, got {block_size}")
+    _need(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1,
+          f"block_table: expected an int32 [B, W] tensor with contiguous rows, got {block_table.dtype} "
+          f"shape {tuple(block_table.shape)}")
+    num_reqs = block_table.shape[0]
+    _need(seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32,
+          f"seq_lens: expected int32 [{num_reqs}], got {seq_lens.dtype} shape {tuple(seq_lens.shape)}")
+    _need(query_len >= 1 and n == num_reqs * query_len,
+          f"q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
+
+
+def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits):
+    n, heads, dim = q.shape
+    kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    group = heads // kv_heads
+    tile = _tile(block_size)
+    dense = block_ids is None
+    out = q.new_empty(n, heads * dim)
+    if n == 0:
+        return out
+    sparse_tiles = 0 if dense else block_ids.shape[2] * (block_size // tile)
+    max_tiles = block_table.shape[1] * (block_size // tile) if dense else sparse_tiles
+    if num_splits is None:
+        num_splits = triton.cdiv(_target_programs(q.device), n * kv_heads)
+    num_splits = max(1, min(num_splits, max_tiles))
+    if not dense:  # drop splits that would get no tile
+        num_splits = triton.cdiv(sparse_tiles, triton.cdiv(sparse_tiles, num_splits))
+    part_acc = torch.empty(n, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
+    ids = block_table if dense else block_ids  # dense: a typed stand-in, never read
+    _attention_split_kernel[(n, kv_heads, num_splits)](
+        q, kv_cache, block_table, seq_lens, ids, part_acc, part_ml,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_table.stride(0), ids.stride(0), ids.stride(1) if not dense else 0,
+        sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
+        QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
+        BLOCK_N=tile, BLOCK_TOPK=1 if dense else triton.next_power_of_2(block_ids.shape[2]), DENSE=dense, DOT_FP32=q.device.type != "cuda", num_warps=4, num_stages=2)
+    _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
+                                        HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4)
+    return out
+
+
+def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, block_ids: torch.Tensor, query_len: int,
+                            k_scale: float = 1.0, v_scale: float = 1.0, *,
+                            num_splits: int | None = None) -> torch.Tensor:
+    """Block-sparse GQA decode: q bf16 [n, H, D]; kv_cache [blocks, KVH, bs, 2D] (bf16 or fp8,
+    dequantised by k_scale / v_scale); block_ids int32 [n, KVH, topk] logical blocks per kv head
+    (-1, repeats and blocks past the token's last are ignored). Causal (positions < kv_len). Returns bf16 [n, H*D];
+    padding rows (seq_len 0) are zeros. num_splits overrides the split-K heuristic (tests)."""
+    _check_common(q, kv_cache, block_table, seq_lens, query_len)
+    n, kv_heads = q.shape[0], kv_cache.shape[1]
+    _need(block_ids.dim() == 3 and block_ids.shape[:2] == (n, kv_heads) and block_ids.dtype == torch.int32
+          and block_ids.stride(2) == 1 and block_ids.shape[2] >= 1,
+          f"block_ids: expected an int32 [{n}, {kv_heads}, topk] tensor with a contiguous last dimension, "
+          f"got {block_ids.dtype} shape {tuple(block_ids.shape)}")
+    return _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits)
+
+
+def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, query_len: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                           *, num_splits: int | None = None) -> torch.Tensor:
+    """Full causal GQA decode over all of each token's blocks (dense layers); as sparse_attention_decode
+    otherwise. Long contexts are split over up to ~4 programs per SM."""
+    _check_common(q, kv_cache, block_table, seq_lens, query_len)
+    return _launch(q, kv_cache, block_table, seq_lens, None, query_len, k_scale, v_scale, num_splits)
+
+
+def aot_specs() -> list[KernelSpec]:
+    specs = []
+    # (H, KVH, D, block size, top-k): tiny preset and the real model (TP 1).
+    for heads, kv_heads, dim, bs, topk in ((8, 2, 32, 16, 4), (64, 4, 128, 128, 16)):
+        group = heads // kv_heads
+        for query_len in (1, 2, 4):
+            for kv_t in ("*bf16", "*fp8e4nv"):
+                for dense in (False, True):
+                    specs.append(KernelSpec(
+                        _attention_split_kernel,
+                        {"q_ptr": "*bf16", "kv_ptr": kv_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                         "block_ids_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                         "stride_qn": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
+                         "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
+                         "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
+                        {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
+                         "BLOCK_SIZE": bs, "BLOCK_N": _tile(bs), "BLOCK_TOPK": 1 if dense else topk,
+                         "DENSE": dense, "DOT_FP32": False},
+                        num_warps=4, num_stages=2,
+                        name=f"attention_{'dense' if dense else 'sparse'}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}"))
+        specs.append(KernelSpec(
+            _attention_merge_kernel,
+            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
+             "stride_on": "i32"},
+            {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
+    return specs

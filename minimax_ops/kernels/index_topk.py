@@ -1,0 +1,194 @@
+"""Lightning indexer: per token and index head, the top-k logical KV blocks by block score
+S[b] = max over cached positions p < kv_len in block b of dot(index_q, index_k[p]).
+
+Two passes:
+1. ``_index_score_kernel``, grid (request, split): each program scores a contiguous run of one
+   request's blocks for all its query tokens and index heads at once ([query_len * Hi, Di] x
+   [Di, block] tl.dot), so every index key is read from memory once per request. Runs are sized from
+   the request's real length in-kernel (no host sync), the grid from the table width.
+   Scores go to an fp32 scratch [n, Hi, W].
+2. ``_index_topk_kernel``, one program per (token, head): packs (score, block) into one sortable
+   int64 and keeps the best k with tl.topk over CHUNK-wide slices of the row. The local block
+   (nb - 1) gets the largest key, so it is always chosen first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import KernelSpec
+
+TOPK_CHUNK = 1024  # blocks per tl.topk slice in pass 2 (contexts up to 128k tokens in one slice)
+_INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
+
+
+@triton.jit
+def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr,
+                        stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
+                        num_splits,
+                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+    req = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    nb = tl.cdiv(tl.maximum(seq_len, 0), BLOCK_SIZE)  # blocks of the request's last token
+    per_split = tl.cdiv(nb, num_splits)
+    b_start = split * per_split
+    b_end = tl.minimum(b_start + per_split, nb)
+
+    # Rows of the score tile: (query token j, index head h), padded to BLOCK_M >= 16 for tl.dot.
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < QUERY_LEN * INDEX_HEADS
+    j = rows // INDEX_HEADS
+    head = rows % INDEX_HEADS
+    tok = (req * QUERY_LEN + j).to(tl.int64)
+    kv_len = seq_len - QUERY_LEN + j + 1  # causal: token j sees positions < kv_len
+    d = tl.arange(0, INDEX_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; real GPUs take bf16 x bf16 -> fp32
+        q = q.to(tl.float32)
+    offs = tl.arange(0, BLOCK_SIZE)
+    score_ptrs = scores_ptr + tok * stride_sn + head * stride_sh
+    for b in range(b_start, b_end):
+        page = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + offs
+        keys = tl.load(cache_ptr + page * stride_cb + offs[:, None] * stride_cs + d[None, :],
+                       mask=(pos < seq_len)[:, None], other=0.0)
+        keys = keys.to(tl.float32) if DOT_FP32 else keys.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(keys))  # [BLOCK_M, BLOCK_SIZE] fp32
+        s = tl.where(pos[None, :] < kv_len[:, None], s, float("-inf"))
+        tl.store(score_ptrs + b, tl.max(s, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
+                       QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    tok = pid // INDEX_HEADS
+    head = pid % INDEX_HEADS
+    req = tok // QUERY_LEN
+    kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
+    nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
+    row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
+    # Key = (order-preserving int32 of the score) << 32 | block: one int64 max-selects both.
+    # Entries past nb get the smallest high word, so they sort below every real block.
+    floor_key = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32
+    best = floor_key
+    for start in range(0, nb, CHUNK):
+        blk = start + tl.arange(0, CHUNK)
+        valid = blk < nb
+        s = tl.load(row + blk, mask=valid, other=0.0)
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        ordered = tl.where(blk == nb - 1, 2147483647, ordered)  # the local block always wins
+        ordered = tl.where(valid, ordered, -2147483648)
+        keys = (ordered.to(tl.int64) << 32) | blk.to(tl.int64)
+        cand = tl.topk(keys, BLOCK_K)
+        best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.where(k < nb, (best & 0xFFFFFFFF).to(tl.int32), -1)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _block_m(query_len: int, index_heads: int) -> int:
+    return max(16, triton.next_power_of_2(query_len * index_heads))
+
+
+def _topk_chunk(width: int, block_k: int) -> int:
+    return max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_len: int, topk: int) -> torch.Tensor:
+    """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
+    seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
+    first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
+    _need(index_q.dim() == 3 and index_q.dtype == torch.bfloat16 and index_q.stride(2) == 1,
+          f"index_q: expected a bf16 [n, heads, dim] tensor with a contiguous last dimension, got "
+          f"{index_q.dtype} shape {tuple(index_q.shape)}")
+    n, heads, dim = index_q.shape
+    _need(index_cache.dim() == 3 and index_cache.shape[2] == dim and index_cache.stride(2) == 1
+          and index_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn),
+          f"index_cache: expected a bf16/fp8 [blocks, block_size, {dim}] tensor with a contiguous last "
+          f"dimension, got {index_cache.dtype} shape {tuple(index_cache.shape)}")
+    _need(dim >= 16 and dim & (dim - 1) == 0, f"index_q: head dim must be a power of two >= 16, got {dim}")
+    block_size = index_cache.shape[1]
+    _need(block_size >= 16 and block_size & (block_size - 1) == 0,
+          f"index_cache: block size must be a power of two >= 16, got {block_size}")
+    _need(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1,
+          f"block_table: expected an int32 [B, W] tensor with contiguous rows, got {block_table.dtype} "
+          f"shape {tuple(block_table.shape)}")
+    num_reqs, width = block_table.shape
+    _need(seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32,
+          f"seq_lens: expected int32 [{num_reqs}], got {seq_lens.dtype} shape {tuple(seq_lens.shape)}")
+    _need(query_len >= 1 and n == num_reqs * query_len,
+          f"index_q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
+    _need(topk >= 1, f"topk: expected >= 1, got {topk}")
+    out = torch.empty(n, heads, topk, dtype=torch.int32, device=index_q.device)
+    if n == 0:
+        return out
+    interpreted = index_q.device.type != "cuda"
+    scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
+    num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
+    _index_score_kernel[(num_reqs, num_splits)](
+        index_q, index_cache, block_table, seq_lens, scores,
+        index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
+        block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
+        QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=block_size,
+        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, num_warps=4, num_stages=3)
+    block_k = triton.next_power_of_2(topk)
+    _index_topk_kernel[(n * heads,)](
+        scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
+        CHUNK=_topk_chunk(width, block_k), num_warps=4)
+    return out
+
+
+def aot_specs() -> list[KernelSpec]:
+    specs = []
+    # (Hi, Di, block size, top-k, table width): tiny preset and the real model (1M-token table).
+    for heads, dim, bs, topk, width in ((2, 32, 16, 4, 16), (4, 128, 128, 16, 8192)):
+        for query_len in (1, 2, 4):
+            for cache_t in ("*bf16", "*fp8e4nv"):
+                specs.append(KernelSpec(
+                    _index_score_kernel,
+                    {"q_ptr": "*bf16", "cache_ptr": cache_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                     "scores_ptr": "*fp32", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
+                     "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
+                     "num_splits": "i32"},
+                    {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
+                     "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False},
+                    num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
+            block_k = triton.next_power_of_2(topk)
+            specs.append(KernelSpec(
+                _index_topk_kernel,
+                {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
+                 "stride_sh": "i32", "stride_on": "i32", "stride_oh": "i32"},
+                {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
+                 "BLOCK_K": block_k, "CHUNK": _topk_chunk(width, block_k)},
+                num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
+    return specs

@@ -1,0 +1,245 @@
+"""Per-head Gemma norm + NeoX partial RoPE of q / k (and the indexer's q / k), with the paged-cache
+insert of k, v (and index_k) fused in: one pass over the fused projection's output.
+
+Grid: (token, 128-wide segment of the qkv row). The row is laid out as
+[q heads | k heads | v heads | index_q heads | index_k], every segment head_dim wide, so program
+(i, s) reads columns s*D .. s*D+D-1 and its segment index alone says what to do with them.
+
+RoPE angles are formed in fp64 (pos * theta^(-2i/r), reduced mod 2*pi) and only then turned into
+fp32 cos/sin: at positions near 2**20 an fp32 angle is off by ~0.05 rad, far outside bf16 noise.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import KernelSpec
+
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest fp32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# 2*pi as an fp32 pair (hi + lo ~ 48 bits): float literals in a Triton kernel are fp32 constants.
+_TWO_PI_HI = _f32(2 * math.pi)
+_TWO_PI_LO = _f32(2 * math.pi - _TWO_PI_HI)
+TWO_PI_HI = tl.constexpr(_TWO_PI_HI)
+TWO_PI_LO = tl.constexpr(_TWO_PI_LO)
+INV_TWO_PI = tl.constexpr(1.0 / (2 * math.pi))
+FP8_MAX = tl.constexpr(448.0)
+MAX_ROTARY_DIM = 256  # _inv_freq below handles frequency indices < 128 (7 bits)
+
+
+@triton.jit
+def _inv_freq(i, base_hi, base_lo):
+    """theta^(-2i/r) = base^i in fp64 by binary powering (base = theta^(-2/r) passed as hi + lo)."""
+    base = tl.cast(base_hi, tl.float64) + tl.cast(base_lo, tl.float64)
+    inv = tl.full(i.shape, 1.0, tl.float64)
+    for bit in tl.static_range(7):
+        inv = tl.where(((i >> bit) & 1) != 0, inv * base, inv)
+        base = base * base
+    return inv
+
+
+@triton.jit
+def _norm_rope(row_ptr, w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr):
+    """Gemma RMSNorm of one head (fp32) followed by NeoX RoPE on dims < ROT_DIM -> fp32 [HEAD_DIM]."""
+    HALF: tl.constexpr = ROT_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    # The rotation partner of dim d (x1 <-> x2); registers cannot be permuted, so load it again
+    # (same cache lines, L1 hit).
+    partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT_DIM, d - HALF, d))
+    x = tl.load(row_ptr + d).to(tl.float32)
+    xp = tl.load(row_ptr + partner).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    y = x * rstd * (1.0 + tl.load(w_ptr + d).to(tl.float32))
+    yp = xp * rstd * (1.0 + tl.load(w_ptr + partner).to(tl.float32))
+    angle = pos.to(tl.float64) * _inv_freq(d % HALF, base_hi, base_lo)
+    turns = (angle * INV_TWO_PI).to(tl.int64).to(tl.float64)
+    reduced = (angle - turns * TWO_PI_HI - turns * TWO_PI_LO).to(tl.float32)
+    cos = tl.cos(reduced)
+    sin = tl.sin(reduced)
+    return tl.where(d < HALF, y * cos - yp * sin, tl.where(d < ROT_DIM, y * cos + yp * sin, y))
+
+
+@triton.jit
+def _to_cache(x, dtype, FP8: tl.constexpr):
+    """Cast for a cache write; fp8 e4m3 saturates at +-448 (scale 1.0), like formats.to_cache_dtype."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x.to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_insert_kernel(
+        qkv_ptr, pos_ptr, slot_ptr, index_slot_ptr,
+        q_w_ptr, k_w_ptr, index_q_w_ptr, index_k_w_ptr,
+        kv_ptr, index_cache_ptr, q_out_ptr, index_q_out_ptr,
+        stride_qkv, stride_kv_block, stride_kv_head, stride_kv_slot, stride_ic_block, stride_ic_slot,
+        eps, base_hi, base_lo,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    K_SEG: tl.constexpr = NUM_HEADS
+    V_SEG: tl.constexpr = NUM_HEADS + NUM_KV_HEADS
+    IQ_SEG: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
+    IK_SEG: tl.constexpr = IQ_SEG + INDEX_HEADS
+    d = tl.arange(0, HEAD_DIM)
+    row = qkv_ptr + tok * stride_qkv + seg * HEAD_DIM
+    pos = tl.load(pos_ptr + tok)
+    if seg < K_SEG:
+        y = _norm_rope(row, q_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
+        tl.store(q_out_ptr + (tok * NUM_HEADS + seg) * HEAD_DIM + d, y.to(q_out_ptr.dtype.element_ty))
+    elif seg < IQ_SEG:  # k or v of kv head (seg - K_SEG) % NUM_KV_HEADS
+        slot = tl.load(slot_ptr + tok)
+        if slot >= 0:  # slot < 0: padding row, the cache is not touched
+            is_v = seg >= V_SEG
+            head = tl.where(is_v, seg - V_SEG, seg - K_SEG)
+            dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_kv_block + head * stride_kv_head
+                   + (slot % BLOCK_SIZE) * stride_kv_slot + d)
+            if is_v:
+                tl.store(dst + HEAD_DIM, _to_cache(tl.load(row + d).to(tl.float32), kv_ptr.dtype.element_ty, KV_FP8))
+            else:
+                y = _norm_rope(row, k_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
+                tl.store(dst, _to_cache(y, kv_ptr.dtype.element_ty, KV_FP8))
+    elif INDEX_HEADS > 0:
+        if seg < IK_SEG:
+            y = _norm_rope(row, index_q_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
+            dst = index_q_out_ptr + (tok * INDEX_HEADS + seg - IQ_SEG) * HEAD_DIM + d
+            tl.store(dst, y.to(index_q_out_ptr.dtype.element_ty))
+        else:
+            slot = tl.load(index_slot_ptr + tok)
+            if slot >= 0:
+                y = _norm_rope(row, index_k_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
+                dst = (index_cache_ptr + (slot // BLOCK_SIZE) * stride_ic_block
+                       + (slot % BLOCK_SIZE) * stride_ic_slot + d)
+                tl.store(dst, _to_cache(y, index_cache_ptr.dtype.element_ty, INDEX_FP8))
+
+
+_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_vector(name: str, t: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+    _need(t.shape == (n,) and t.dtype == dtype and t.is_contiguous(),
+          f"{name}: expected a contiguous {dtype} [{n}] tensor, got {t.dtype} shape {tuple(t.shape)}")
+
+
+def _check_norm_weight(name: str, t: torch.Tensor, dim: int) -> None:
+    _need(t.shape == (dim,) and t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float32),
+          f"{name}: expected a contiguous bf16/fp32 [{dim}] tensor, got {t.dtype} shape {tuple(t.shape)}")
+
+
+def _rope_base(rope_theta: float, rotary_dim: int) -> tuple[float, float]:
+    """theta^(-2/r) as an fp32 (hi, lo) pair."""
+    base = rope_theta ** (-2.0 / rotary_dim)
+    hi = _f32(base)
+    return hi, _f32(base - hi)
+
+
+def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        index_slot_mapping: torch.Tensor | None, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                        index_q_norm: torch.Tensor | None, index_k_norm: torch.Tensor | None,
+                        kv_cache: torch.Tensor, index_cache: torch.Tensor | None, *, num_heads: int,
+                        num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
+                        index_heads: int = 0, index_dim: int = 0
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 3-4 of the decode spec. qkv bf16 [n, (H + 2*KVH)*D (+ (Hi + 1)*Di)]; writes k, v into
+    kv_cache [blocks, KVH, bs, 2D] at slot_mapping and index_k into index_cache [blocks, bs, Di] at
+    index_slot_mapping (slot < 0: nothing written). Returns (q bf16 [n, H, D], index_q bf16
+    [n, Hi, Di] or None)."""
+    _need(qkv.dim() == 2 and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1,
+          f"qkv: expected a bf16 [n, width] tensor with contiguous rows, got {qkv.dtype} shape "
+          f"{tuple(qkv.shape)} strides {qkv.stride()}")
+    n = qkv.shape[0]
+    has_index = index_heads > 0
+    width = (num_heads + 2 * num_kv_heads) * head_dim + ((index_heads + 1) * index_dim if has_index else 0)
+    _need(qkv.shape[1] == width, f"qkv: expected width {width} for these head counts, got {qkv.shape[1]}")
+    _need(num_heads % num_kv_heads == 0,
+          f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}")
+    _need(head_dim & (head_dim - 1) == 0, f"head_dim: expected a power of two, got {head_dim}")
+    _need(0 < rotary_dim <= min(head_dim, MAX_ROTARY_DIM) and rotary_dim % 2 == 0,
+          f"rotary_dim: expected an even number in 2..{min(head_dim, MAX_ROTARY_DIM)}, got {rotary_dim}")
+    _check_vector("positions", positions, n, torch.int64)
+    _check_vector("slot_mapping", slot_mapping, n, torch.int64)
+    _check_norm_weight("q_norm", q_norm, head_dim)
+    _check_norm_weight("k_norm", k_norm, head_dim)
+    _need(kv_cache.dim() == 4 and kv_cache.shape[1] == num_kv_heads and kv_cache.shape[3] == 2 * head_dim
+          and kv_cache.stride(3) == 1 and kv_cache.dtype in _CACHE_DTYPES,
+          f"kv_cache: expected a bf16/fp8 [blocks, {num_kv_heads}, block_size, {2 * head_dim}] tensor with "
+          f"a contiguous last dimension, got {kv_cache.dtype} shape {tuple(kv_cache.shape)}")
+    block_size = kv_cache.shape[2]
+    q = qkv.new_empty(n, num_heads, head_dim)
+    index_q = None
+    if has_index:
+        _need(index_dim == head_dim, f"index_dim: expected head_dim={head_dim} (one segment width), got {index_dim}")
+        _need(index_slot_mapping is not None and index_q_norm is not None and index_k_norm is not None
+              and index_cache is not None,
+              "index_slot_mapping, index_q_norm, index_k_norm, index_cache: all required when index_heads > 0")
+        _check_vector("index_slot_mapping", index_slot_mapping, n, torch.int64)
+        _check_norm_weight("index_q_norm", index_q_norm, index_dim)
+        _check_norm_weight("index_k_norm", index_k_norm, index_dim)
+        _need(index_cache.dim() == 3 and index_cache.shape[1:] == (block_size, index_dim)
+              and index_cache.stride(2) == 1 and index_cache.dtype in _CACHE_DTYPES,
+              f"index_cache: expected a bf16/fp8 [blocks, {block_size}, {index_dim}] tensor with a contiguous "
+              f"last dimension, got {index_cache.dtype} shape {tuple(index_cache.shape)}")
+        index_q = qkv.new_empty(n, index_heads, index_dim)
+    if n == 0:
+        return q, index_q
+    # Dense layers: the index arguments are dead code (INDEX_HEADS=0); pass typed stand-ins.
+    islots = index_slot_mapping if has_index else slot_mapping
+    iq_w, ik_w = (index_q_norm, index_k_norm) if has_index else (q_norm, k_norm)
+    icache = index_cache if has_index else kv_cache
+    iq_out = index_q if has_index else q
+    base_hi, base_lo = _rope_base(rope_theta, rotary_dim)
+    segments = num_heads + 2 * num_kv_heads + (index_heads + 1 if has_index else 0)
+    _qk_norm_rope_insert_kernel[(n, segments)](
+        qkv, positions, slot_mapping, islots, q_norm, k_norm, iq_w, ik_w, kv_cache, icache, q, iq_out,
+        qkv.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        icache.stride(0), icache.stride(1) if has_index else 0,
+        eps, base_hi, base_lo,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, INDEX_HEADS=index_heads if has_index else 0,
+        HEAD_DIM=head_dim, ROT_DIM=rotary_dim, BLOCK_SIZE=block_size,
+        KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        INDEX_FP8=has_index and index_cache.dtype == torch.float8_e4m3fn,
+        num_warps=max(1, head_dim // 128))
+    return q, index_q
+
+
+def aot_specs() -> list[KernelSpec]:
+    # (H, KVH, Hi, D, rotary, block): tiny preset and the real model (TP 1).
+    shapes = ((8, 2, 2, 32, 16, 16), (64, 4, 4, 128, 64, 128))
+    specs = []
+    for heads, kv_heads, index_heads, dim, rot, bs in shapes:
+        for kv_t in ("*bf16", "*fp8e4nv"):
+            for sparse in (True, False):
+                for idx_t in (("*bf16", "*fp8e4nv") if sparse else (kv_t,)):
+                    specs.append(KernelSpec(
+                        _qk_norm_rope_insert_kernel,
+                        {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "slot_ptr": "*i64", "index_slot_ptr": "*i64",
+                         "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "index_q_w_ptr": "*bf16",
+                         "index_k_w_ptr": "*bf16", "kv_ptr": kv_t, "index_cache_ptr": idx_t,
+                         "q_out_ptr": "*bf16", "index_q_out_ptr": "*bf16", "stride_qkv": "i32",
+                         "stride_kv_block": "i32", "stride_kv_head": "i32", "stride_kv_slot": "i32",
+                         "stride_ic_block": "i32", "stride_ic_slot": "i32",
+                         "eps": "fp32", "base_hi": "fp32", "base_lo": "fp32"},
+                        {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads,
+                         "INDEX_HEADS": index_heads if sparse else 0, "HEAD_DIM": dim, "ROT_DIM": rot,
+                         "BLOCK_SIZE": bs, "KV_FP8": kv_t == "*fp8e4nv",
+                         "INDEX_FP8": sparse and idx_t == "*fp8e4nv"},
+                        num_warps=max(1, dim // 128),
+                        name=f"qk_norm_rope_insert_d{dim}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if sparse else "")))
+    return specs

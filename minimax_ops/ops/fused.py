@@ -1,0 +1,105 @@
+"""The fused decode: one op per decoder layer and step.
+
+    torch.ops.minimax.fused_decode_layer(x, residual, <step metadata>, kv_cache!, index_cache!,
+                                         <layer weights>, <layer constants>) -> (out, residual)
+
+replaces the nine-op sparse MoE chain of ops/stages.py (add_rmsnorm ... moe_experts), and
+``fused_dense_decode_layer`` the dense chain. Weights, caches and metadata are tensor arguments,
+so nothing is baked: re-allocated caches or new weights are just new arguments, and under a CUDA
+graph the op reads each step's metadata from the same persistent buffers.
+
+Where kernels run (CUDA, or CPU under the Triton interpreter) the implementation launches the
+stage kernels back to back on the current stream with no host sync; elsewhere it runs the
+reference stages, so eager, compiled and fused paths agree by construction on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..constants import MAX_TOKENS
+from . import stages
+from .checks import check, check_activation, check_cache, check_step
+
+SPARSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "index_q_norm", "index_k_norm",
+                  "o_proj", "o_proj_scale", "post_norm", "gate", "gate_bias", "w13", "w13_scale", "w2",
+                  "w2_scale", "shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
+DENSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "o_proj", "o_proj_scale", "post_norm",
+                 "w13", "w13_scale", "w2", "w2_scale")
+
+
+def _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len):
+    n = x.shape[0]
+    check(1 <= n <= MAX_TOKENS, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got {n}")
+    check_activation("x", x)
+    check_activation("residual", residual, x.shape[1])
+    check_step(n, positions, slot_mapping, block_table, seq_lens, query_len)
+    check_cache("kv_cache", kv_cache, (None, None, None, None))
+
+
+@torch.library.custom_op("minimax::fused_decode_layer", mutates_args=("kv_cache", "index_cache"))
+def fused_decode_layer(
+        x: Tensor, residual: Tensor, positions: Tensor, slot_mapping: Tensor, index_slot_mapping: Tensor,
+        block_table: Tensor, seq_lens: Tensor, kv_cache: Tensor, index_cache: Tensor,
+        input_norm: Tensor, qkv: Tensor, qkv_scale: Tensor | None, q_norm: Tensor, k_norm: Tensor,
+        index_q_norm: Tensor, index_k_norm: Tensor, o_proj: Tensor, o_proj_scale: Tensor | None, post_norm: Tensor,
+        gate: Tensor, gate_bias: Tensor | None, w13: Tensor, w13_scale: Tensor | None, w2: Tensor,
+        w2_scale: Tensor | None, shared_w13: Tensor | None, shared_w13_scale: Tensor | None,
+        shared_w2: Tensor | None, shared_w2_scale: Tensor | None,
+        query_len: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
+        eps: float, index_heads: int, index_dim: int, topk_blocks: int, top_k: int, routed_scaling: float,
+        num_routed_experts: int, alpha: float, limit: float, k_scale: float, v_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One sparse MoE decode layer: (x, residual) -> (out, residual); writes k/v and index_k."""
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    h, residual = stages.add_rmsnorm(x, residual, input_norm, eps)
+    qkv_out = stages.mx_linear(h, qkv, qkv_scale)
+    q, index_q = stages.qk_norm_rope_kv_index_insert(
+        qkv_out, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm, kv_cache,
+        index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim)
+    block_ids = stages.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk_blocks)
+    attn = stages.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
+    o = stages.mx_linear(attn, o_proj, o_proj_scale)
+    h, residual = stages.add_rmsnorm(o, residual, post_norm, eps)
+    weights, ids = stages.route(h, gate, gate_bias, top_k, routed_scaling)
+    out = stages.moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
+                             shared_w2, shared_w2_scale, num_routed_experts, alpha, limit)
+    return out, residual
+
+
+@fused_decode_layer.register_fake
+def _(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache, index_cache,
+      *rest):
+    query_len = rest[len(SPARSE_WEIGHTS)]
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    check_cache("index_cache", index_cache, (kv_cache.shape[0], kv_cache.shape[2], None))
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("minimax::fused_dense_decode_layer", mutates_args=("kv_cache",))
+def fused_dense_decode_layer(
+        x: Tensor, residual: Tensor, positions: Tensor, slot_mapping: Tensor, block_table: Tensor, seq_lens: Tensor,
+        kv_cache: Tensor, input_norm: Tensor, qkv: Tensor, qkv_scale: Tensor | None, q_norm: Tensor,
+        k_norm: Tensor, o_proj: Tensor, o_proj_scale: Tensor | None, post_norm: Tensor, w13: Tensor,
+        w13_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
+        query_len: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
+        eps: float, alpha: float, limit: float, k_scale: float, v_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One dense decode layer (full GQA attention + SwiGLU-OAI MLP)."""
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    h, residual = stages.add_rmsnorm(x, residual, input_norm, eps)
+    qkv_out = stages.mx_linear(h, qkv, qkv_scale)
+    q = stages.qk_norm_rope_kv_insert(qkv_out, positions, slot_mapping, q_norm, k_norm, kv_cache, num_heads,
+                                      num_kv_heads, head_dim, rotary_dim, rope_theta, eps)
+    attn = stages.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)
+    o = stages.mx_linear(attn, o_proj, o_proj_scale)
+    h, residual = stages.add_rmsnorm(o, residual, post_norm, eps)
+    return stages.mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit), residual
+
+
+@fused_dense_decode_layer.register_fake
+def _(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, *rest):
+    query_len = rest[len(DENSE_WEIGHTS)]
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    return torch.empty_like(x), torch.empty_like(x)
