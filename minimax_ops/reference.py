@@ -35,7 +35,7 @@ def apply_partial_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int
     x = x.float()
     cos, sin = (t[:, None, :] for t in rope_cos_sin(positions, rotary_dim, theta))
     half = rotary_dim // 2
-    x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]], dim=-1)
 
 
@@ -142,6 +142,8 @@ def _attention(q, kv_cache, block_table, seq_lens, query_len, blocks_of, k_scale
             continue
         for h in range(kv_heads):
             blocks = blocks_of(i, h, math.ceil(kv_len / bs))
+            if not blocks:  # nothing selected (hand-made block ids): the kernels give zeros too
+                continue
             rows, _ = _gather_positions(kv_cache[:, h:h + 1], block_table[r], blocks, kv_len)
             keys, values = rows[:, 0, :d] * k_scale, rows[:, 0, d:] * v_scale
             out[i, h * group:(h + 1) * group] = _attend(q[i, h * group:(h + 1) * group].float(), keys, values)

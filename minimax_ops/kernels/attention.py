@@ -214,7 +214,8 @@ def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v
         block_table.stride(0), ids.stride(0), ids.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=tile, BLOCK_TOPK=1 if dense else triton.next_power_of_2(block_ids.shape[2]), DENSE=dense, DOT_FP32=q.device.type != "cuda", num_warps=4, num_stages=2)
+        BLOCK_N=tile, BLOCK_TOPK=1 if dense else triton.next_power_of_2(block_ids.shape[2]), DENSE=dense,
+        DOT_FP32=q.device.type != "cuda", num_warps=4, num_stages=2)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, num_warps=4)
     return out

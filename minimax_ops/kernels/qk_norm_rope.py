@@ -70,10 +70,24 @@ def _norm_rope(row_ptr, w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _to_cache(x, dtype, FP8: tl.constexpr):
+def _round_to_e4m3_grid(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value (ties to even), still in fp32.
+
+    Only for the interpreter, whose fp32 -> fp8 cast loses the carry when a value rounds up to the
+    next power of two (7.9 -> 4.0); it casts values already on the grid exactly."""
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6's spacing
+    ulp = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    return ((x / ulp + 12582912.0) - 12582912.0) * ulp  # + 1.5 * 2^23: fp32 add rounds to an integer
+
+
+@triton.jit
+def _to_cache(x, dtype, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """Cast for a cache write; fp8 e4m3 saturates at +-448 (scale 1.0), like formats.to_cache_dtype."""
     if FP8:
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        if INTERPRETED:
+            x = _round_to_e4m3_grid(x)
     return x.to(dtype)
 
 
@@ -86,7 +100,7 @@ def _qk_norm_rope_insert_kernel(
         eps, base_hi, base_lo,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr):
+        KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     K_SEG: tl.constexpr = NUM_HEADS
@@ -107,10 +121,11 @@ def _qk_norm_rope_insert_kernel(
             dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_kv_block + head * stride_kv_head
                    + (slot % BLOCK_SIZE) * stride_kv_slot + d)
             if is_v:
-                tl.store(dst + HEAD_DIM, _to_cache(tl.load(row + d).to(tl.float32), kv_ptr.dtype.element_ty, KV_FP8))
+                v = tl.load(row + d).to(tl.float32)
+                tl.store(dst + HEAD_DIM, _to_cache(v, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
             else:
                 y = _norm_rope(row, k_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
-                tl.store(dst, _to_cache(y, kv_ptr.dtype.element_ty, KV_FP8))
+                tl.store(dst, _to_cache(y, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
     elif INDEX_HEADS > 0:
         if seg < IK_SEG:
             y = _norm_rope(row, index_q_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
@@ -122,7 +137,7 @@ def _qk_norm_rope_insert_kernel(
                 y = _norm_rope(row, index_k_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
                 dst = (index_cache_ptr + (slot // BLOCK_SIZE) * stride_ic_block
                        + (slot % BLOCK_SIZE) * stride_ic_slot + d)
-                tl.store(dst, _to_cache(y, index_cache_ptr.dtype.element_ty, INDEX_FP8))
+                tl.store(dst, _to_cache(y, index_cache_ptr.dtype.element_ty, INDEX_FP8, INTERPRETED))
 
 
 _CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
@@ -214,7 +229,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, INDEX_HEADS=index_heads if has_index else 0,
         HEAD_DIM=head_dim, ROT_DIM=rotary_dim, BLOCK_SIZE=block_size,
         KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
-        INDEX_FP8=has_index and index_cache.dtype == torch.float8_e4m3fn,
+        INDEX_FP8=has_index and index_cache.dtype == torch.float8_e4m3fn, INTERPRETED=qkv.device.type != "cuda",
         num_warps=max(1, head_dim // 128))
     return q, index_q
 
@@ -239,7 +254,7 @@ def aot_specs() -> list[KernelSpec]:
                         {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads,
                          "INDEX_HEADS": index_heads if sparse else 0, "HEAD_DIM": dim, "ROT_DIM": rot,
                          "BLOCK_SIZE": bs, "KV_FP8": kv_t == "*fp8e4nv",
-                         "INDEX_FP8": sparse and idx_t == "*fp8e4nv"},
+                         "INDEX_FP8": sparse and idx_t == "*fp8e4nv", "INTERPRETED": False},
                         num_warps=max(1, dim // 128),
                         name=f"qk_norm_rope_insert_d{dim}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if sparse else "")))
     return specs
