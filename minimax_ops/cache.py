@@ -63,8 +63,11 @@ def _fill(t: torch.Tensor, fill: str, generator: torch.Generator | None) -> torc
     if fill == "zeros":
         return t.zero_()
     if fill == "random":
-        noise = torch.randn(t.shape, generator=generator, device="cpu")
-        return t.copy_(noise.to(t.device).to(t.dtype))
+        if generator is not None and generator.device != t.device:
+            # Real-size caches are slow to fill from the CPU: draw on the cache's device.
+            seed = int(torch.randint(2**62, (1,), generator=generator))
+            generator = torch.Generator(t.device).manual_seed(seed)
+        return t.copy_(torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype))
     if fill == "nan":  # poison: any read of an unwritten slot shows up
         if t.element_size() == 1:  # fp8 e4m3fn: 0x7F is NaN; fill through a byte view, return t itself
             t.view(torch.uint8).fill_(0x7F)

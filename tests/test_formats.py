@@ -91,6 +91,17 @@ def test_mxfp4_rounds_to_nearest_grid_value():
     assert torch.equal(got.sign() * (got != 0), x.sign() * (got != 0))
 
 
+def test_mxfp4_ties_round_to_even_code():
+    # Midpoints between neighbouring e2m1 magnitudes go to the code with an even mantissa bit.
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    x = torch.tensor((mids + [-m for m in mids] + [6.0]) * 2 + [0.0] * 2)
+    w, s = F.quantize_mxfp4(x[None])
+    assert s.tolist() == [[E8M0_BIAS]]
+    got = F.dequantize(w, s)[0]
+    assert got.tolist() == (want + [-v for v in want] + [6.0]) * 2 + [0.0] * 2
+
+
 # ---- MXFP8 -------------------------------------------------------------------------------------
 
 

@@ -8,9 +8,9 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops import reference_model as rm
-from minimax_ops.cache import LayerCache, allocate_caches, build_step, request_block_ids
+from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import preset
-from minimax_ops.formats import dequantize
+from minimax_ops.formats import dequantize, quantize
 from minimax_ops.weights import SHARED_IN_TABLE, SHARED_SEPARATE, random_layer_weights, random_model_weights
 
 CFG = preset("tiny")  # 8 q heads / 2 kv heads, head_dim 32, rotary 16, 16-token blocks, top-4
@@ -150,7 +150,6 @@ def test_linear_matches_dequantized_weights():
     g = _gen(3)
     x = torch.randn(5, 64, generator=g).bfloat16()
     w = torch.randn(48, 64, generator=g)
-    from minimax_ops.formats import quantize
     for fmt in ("bf16", "mxfp8", "mxfp4"):
         qw, qs = quantize(w, fmt)
         want = x.double() @ dequantize(qw, qs).double().T
@@ -546,20 +545,44 @@ def test_random_layer_weights_shared_in_table():
     assert out.shape == (3, CFG.hidden_size) and torch.isfinite(out).all()
 
 
-def test_caches_of_other_dtype_are_a_plain_cast():
-    # The reference accepts any cache tensor; fp32 caches give the unrounded k/v back.
+def _rope64(x, positions):
+    """Independent NeoX partial RoPE in float64 (complex rotation of pairs (i, i + r/2))."""
+    r, half = CFG.rotary_dim, CFG.rotary_dim // 2
+    pairs = torch.complex(x[..., :half], x[..., half:r])
+    angle = positions.double()[:, None] * CFG.rope_theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / r)
+    rot = pairs * torch.polar(torch.ones_like(angle), angle)[:, None, :]
+    return torch.cat([rot.real, rot.imag, x[..., r:]], -1)
+
+
+def _norm64(x, w):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * (1 + w.double())
+
+
+def test_qk_norm_rope_insert_matches_float64():
+    # fp32 caches (the reference takes any cache tensor) keep the written k / v / index_k unrounded.
     g = _gen(26)
-    meta = _step([10], 1, seed=26)
+    meta = _step([10, 47], 2, seed=26, pad=1)
     kv = torch.randn(40, KVH, BS, 2 * D, generator=g)
-    cache = LayerCache(kv.clone())
-    qkv = torch.randn(1, CFG.qkv_size(0), generator=g)
-    w = random_layer_weights(CFG, DENSE_LAYER, generator=g)
-    ref.qk_norm_rope_insert(qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, w.q_norm, w.k_norm,
-                            None, None, cache.kv, None, num_heads=H, num_kv_heads=KVH, head_dim=D,
-                            rotary_dim=CFG.rotary_dim, rope_theta=CFG.rope_theta, eps=CFG.rms_norm_eps)
-    slot = int(meta.slot_mapping[0])
-    v = qkv[0, H * D + KVH * D:H * D + 2 * KVH * D].view(KVH, D)
-    assert torch.equal(cache.kv[slot // BS, :, slot % BS, D:], v)
-    k = ref.apply_partial_rope(ref.gemma_rmsnorm(qkv[0, H * D:H * D + KVH * D].view(1, KVH, D), w.k_norm,
-                                                 CFG.rms_norm_eps), meta.positions, CFG.rotary_dim, CFG.rope_theta)
-    assert torch.equal(cache.kv[slot // BS, :, slot % BS, :D], k[0])
+    index = torch.randn(40, BS, D, generator=g)
+    w = random_layer_weights(CFG, SPARSE_LAYER, generator=g)
+    qkv = torch.randn(meta.num_tokens, CFG.qkv_size(SPARSE_LAYER), generator=g) * 2
+    q, index_q = ref.qk_norm_rope_insert(
+        qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, w.q_norm, w.k_norm, w.index_q_norm,
+        w.index_k_norm, kv, index, num_heads=H, num_kv_heads=KVH, head_dim=D, rotary_dim=CFG.rotary_dim,
+        rope_theta=CFG.rope_theta, eps=CFG.rms_norm_eps, index_heads=KVH, index_dim=D)
+    n, x = meta.num_tokens, qkv.double()
+    parts = torch.split(x, [H * D, KVH * D, KVH * D, KVH * D, D], dim=-1)
+    want_q = _rope64(_norm64(parts[0].view(n, H, D), w.q_norm), meta.positions)
+    want_k = _rope64(_norm64(parts[1].view(n, KVH, D), w.k_norm), meta.positions)
+    want_iq = _rope64(_norm64(parts[3].view(n, KVH, D), w.index_q_norm), meta.positions)
+    want_ik = _rope64(_norm64(parts[4].view(n, 1, D), w.index_k_norm), meta.positions)[:, 0]
+    tol = dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(q.double(), want_q, **tol) and torch.allclose(index_q.double(), want_iq, **tol)
+    for i, r, pos in _spans(meta):
+        if pos < 0:
+            continue
+        slot = int(meta.slot_mapping[i])
+        assert torch.allclose(kv[slot // BS, :, slot % BS, :D].double(), want_k[i], **tol)
+        assert torch.equal(kv[slot // BS, :, slot % BS, D:], qkv[i, H * D + KVH * D:H * D + 2 * KVH * D].view(KVH, D))
+        islot = int(meta.index_slot_mapping[i])
+        assert torch.allclose(index[islot // BS, islot % BS].double(), want_ik[i], **tol)
