@@ -34,6 +34,9 @@ class StepMetadata:
     query_lens: tuple[int, ...]  # host: tokens per request in this step
     num_prefills: int = 0  # host: requests in this step that are prefills
     query_len: int = 0  # host: the uniform per-request query length, 0 when lengths differ
+    # host: the index cache uses the main cache's block ids (one block table, slots in step): the
+    # fused decode inserts and indexes both caches through the main block table.
+    index_shares_block_ids: bool = True
 
     def __post_init__(self) -> None:
         lens = set(self.query_lens)

@@ -15,9 +15,16 @@ from torch import nn
 from .cache import LayerCache, StepMetadata
 from .config import SPARSE_MOE, MiniMaxM3Config
 from .constants import MAX_TOKENS
+from .ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
 from .weights import LayerWeights, ModelWeights
 
 minimax = torch.ops.minimax
+
+
+# Indexing this tuple with meta.query_len specialises it (a Dynamo guard on its value). Read as a
+# plain attribute, automatic-dynamic turns it into a SymInt once a second value is seen, and the
+# fused op needs query_len as a compile-time constant.
+_STATIC_INTS = tuple(range(MAX_TOKENS + 1))
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -30,7 +37,7 @@ def decode_eligible(num_tokens: int, positions: torch.Tensor, meta: StepMetadata
             and num_tokens % meta.query_len == 0 and positions.dtype == torch.int64
             and meta.slot_mapping.dtype == torch.int64 and meta.index_slot_mapping.dtype == torch.int64
             and meta.block_table.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
-            and meta.block_table.is_contiguous())
+            and meta.block_table.is_contiguous() and meta.index_shares_block_ids)
 
 
 class MiniMaxM3DecoderLayer(nn.Module):
@@ -56,7 +63,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         c = self.config
         h, residual = minimax.add_rmsnorm(x, residual, self.input_norm, c.rms_norm_eps)
         qkv = minimax.mx_linear(h, self.qkv, self.qkv_scale)
-        attn = self._attention(qkv, positions, cache, meta, decode)
+        attn = self._attention(qkv, positions, cache, meta, _STATIC_INTS[meta.query_len] if decode else 0)
         o = minimax.mx_linear(attn, self.o_proj, self.o_proj_scale)
         h, residual = minimax.add_rmsnorm(o, residual, self.post_norm, c.rms_norm_eps)
         if not self.sparse:
@@ -68,30 +75,50 @@ class MiniMaxM3DecoderLayer(nn.Module):
                                   c.num_local_experts, c.swiglu_alpha, c.swiglu_limit)
         return out, residual
 
-    def _attention(self, qkv, positions, cache: LayerCache, meta: StepMetadata, decode: bool):
+    def fused_forward(self, x, residual, positions, cache: LayerCache, meta: StepMetadata):
+        """The same layer as one fused op call (decode steps only)."""
+        c = self.config
+        dims = (_STATIC_INTS[meta.query_len], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim,
+                c.rope_theta, c.rms_norm_eps)
+        if not self.sparse:
+            return minimax.fused_dense_decode_layer(
+                x, residual, positions, meta.slot_mapping, meta.block_table, meta.seq_lens, cache.kv,
+                *(getattr(self, n) for n in DENSE_WEIGHTS), *dims, c.swiglu_alpha, c.swiglu_limit,
+                self.k_scale, self.v_scale)
+        return minimax.fused_decode_layer(
+            x, residual, positions, meta.slot_mapping, meta.index_slot_mapping, meta.block_table, meta.seq_lens,
+            cache.kv, cache.index, *(getattr(self, n) for n in SPARSE_WEIGHTS), *dims, c.sparse_num_index_heads,
+            c.sparse_index_dim, c.sparse_topk_blocks, c.num_experts_per_tok, c.routed_scaling_factor,
+            c.num_local_experts, c.swiglu_alpha, c.swiglu_limit, self.k_scale, self.v_scale)
+
+    def _attention(self, qkv, positions, cache: LayerCache, meta: StepMetadata, query_len: int):
+        """query_len > 0: the decode vocabulary; 0: any step (metadata widened to what the ops take,
+        so a step refused for int32 metadata still runs)."""
         c = self.config
         dims = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta,
                 c.rms_norm_eps)
+        slots, index_slots = meta.slot_mapping, meta.index_slot_mapping
+        if not query_len:
+            positions, slots, index_slots = positions.long(), slots.long(), index_slots.long()
         if self.sparse:
             q, index_q = minimax.qk_norm_rope_kv_index_insert(
-                qkv, positions, meta.slot_mapping, meta.index_slot_mapping, self.q_norm, self.k_norm,
-                self.index_q_norm, self.index_k_norm, cache.kv, cache.index, *dims, c.sparse_num_index_heads,
-                c.sparse_index_dim)
+                qkv, positions, slots, index_slots, self.q_norm, self.k_norm, self.index_q_norm,
+                self.index_k_norm, cache.kv, cache.index, *dims, c.sparse_num_index_heads, c.sparse_index_dim)
         else:
-            q = minimax.qk_norm_rope_kv_insert(qkv, positions, meta.slot_mapping, self.q_norm, self.k_norm,
-                                               cache.kv, *dims)
+            q = minimax.qk_norm_rope_kv_insert(qkv, positions, slots, self.q_norm, self.k_norm, cache.kv, *dims)
             index_q = None
-        if not decode:
-            return minimax.attention_any_step(q, index_q, cache.kv, cache.index, meta.block_table, meta.seq_lens,
+        if not query_len:
+            table, seq_lens = meta.block_table.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32)
+            return minimax.attention_any_step(q, index_q, cache.kv, cache.index, table, seq_lens,
                                               list(meta.query_lens), c.sparse_topk_blocks, self.k_scale,
                                               self.v_scale)
         if not self.sparse:
-            return minimax.dense_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, meta.query_len,
+            return minimax.dense_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, query_len,
                                                   self.k_scale, self.v_scale)
-        block_ids = minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
+        block_ids = minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, query_len,
                                        c.sparse_topk_blocks)
-        return minimax.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, block_ids,
-                                               meta.query_len, self.k_scale, self.v_scale)
+        return minimax.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, block_ids, query_len,
+                                               self.k_scale, self.v_scale)
 
 
 class MiniMaxM3Model(nn.Module):
@@ -103,7 +130,12 @@ class MiniMaxM3Model(nn.Module):
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
-    """forward(input_ids, positions, caches, meta) -> fp32 logits [n, vocab], for prefill and decode."""
+    """forward(input_ids, positions, caches, meta) -> fp32 logits [n, vocab], for prefill and decode.
+
+    ``use_fused_ops = True`` makes eager decode steps call the fused ops directly (what the graph
+    pass produces under torch.compile); by default the model speaks the unfused vocabulary."""
+
+    use_fused_ops = False
 
     def __init__(self, config: MiniMaxM3Config, weights: ModelWeights):
         super().__init__()
@@ -118,7 +150,11 @@ class MiniMaxM3ForCausalLM(nn.Module):
         decode = decode_eligible(input_ids.shape[0], positions, meta)
         x = self.model.embed_tokens(input_ids)
         residual = torch.zeros_like(x)
+        fused = decode and self.use_fused_ops
         for layer, cache in zip(self.model.layers, caches):
-            x, residual = layer(x, residual, positions, cache, meta, decode)
+            if fused:
+                x, residual = layer.fused_forward(x, residual, positions, cache, meta)
+            else:
+                x, residual = layer(x, residual, positions, cache, meta, decode)
         h, _ = minimax.add_rmsnorm(x, residual, self.model.norm, self.config.rms_norm_eps)
         return minimax.mx_linear(h, self.lm_head, None).float()

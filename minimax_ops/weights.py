@@ -70,12 +70,26 @@ class ModelWeights:
 
 
 def _randn(shape, generator, std) -> torch.Tensor:
-    return torch.randn(shape, generator=generator) * std
+    device = generator.device if generator is not None else "cpu"
+    return torch.randn(shape, generator=generator, device=device) * std
 
 
 def _linear(n: int, k: int, fmt, generator, experts: int | None = None):
-    shape = (n, k) if experts is None else (experts, n, k)
-    return quantize(_randn(shape, generator, k ** -0.5), fmt)
+    if experts is None:
+        return quantize(_randn((n, k), generator, k ** -0.5), fmt)
+    # One expert at a time: real-size tables are too large to quantise in one piece.
+    pairs = [quantize(_randn((n, k), generator, k ** -0.5), fmt) for _ in range(experts)]
+    scales = None if pairs[0][1] is None else torch.stack([p[1] for p in pairs])
+    return torch.stack([p[0] for p in pairs]), scales
+
+
+def _device_generator(generator: torch.Generator | None, device) -> torch.Generator | None:
+    """Draw on the target device (real-size weights are slow to make on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cpu" or (generator is not None and generator.device == device):
+        return generator
+    seed = int(torch.randint(2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
 
 
 def _norm(size: int, generator) -> torch.Tensor:
@@ -94,7 +108,7 @@ def random_layer_weights(config: MiniMaxM3Config, layer: int, *, linear_format: 
     shared_format = WeightFormat(shared_format or expert_format)
     if shared not in (SHARED_SEPARATE, SHARED_IN_TABLE):
         raise ValueError(f"shared: expected {SHARED_SEPARATE!r} or {SHARED_IN_TABLE!r}, got {shared!r}")
-    c, g, hid = config, generator, config.hidden_size
+    c, g, hid = config, _device_generator(generator, device), config.hidden_size
     kind = c.layer_kind(layer)
     qkv, qkv_s = _linear(c.qkv_size(layer), hid, linear_format, g)
     o, o_s = _linear(hid, c.q_size, linear_format, g)

@@ -53,6 +53,27 @@ def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.
     return fmt
 
 
+def check_down_proj(name: str, up_name: str, up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                    out_features: int, experts: bool = False) -> WeightFormat:
+    """The down projection of a SwiGLU MLP whose fused up projection ``up`` holds gate rows then up
+    rows [.., 2I, K]: it must take I input features and give out_features."""
+    check(up.shape[-2] % 2 == 0, f"{up_name}: expected an even number of rows (gate, then up), got shape "
+                                 f"{tuple(up.shape)}")
+    try:
+        fmt = weight_format(weight, scale)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    rank = 3 if experts else 2
+    check(weight.dim() == rank, f"{name}: expected a {rank}-d weight, got shape {tuple(weight.shape)}")
+    inter, k = up.shape[-2] // 2, logical_in_features(weight)
+    check(k == inter, f"{name}: expected {inter} input features (half of {up_name}'s rows), got {k}")
+    check(weight.shape[-2] == out_features, f"{name}: expected {out_features} output rows, got shape "
+                                            f"{tuple(weight.shape)}")
+    if scale is not None:
+        check_shape(f"{name}_scale", scale, (*weight.shape[:-1], k // 32))
+    return fmt
+
+
 def check_activation(name: str, x: torch.Tensor, width: int | None = None) -> None:
     check_dtype(name, x, torch.bfloat16)
     check_shape(name, x, (None, width))

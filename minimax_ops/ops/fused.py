@@ -22,6 +22,9 @@ from ..constants import MAX_TOKENS
 from . import stages
 from .checks import check, check_activation, check_cache, check_step
 
+# How often each fused op's Python implementation ran: a captured CUDA graph replays without it.
+impl_calls = {"sparse": 0, "dense": 0}
+
 SPARSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "index_q_norm", "index_k_norm",
                   "o_proj", "o_proj_scale", "post_norm", "gate", "gate_bias", "w13", "w13_scale", "w2",
                   "w2_scale", "shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
@@ -52,6 +55,7 @@ def fused_decode_layer(
         num_routed_experts: int, alpha: float, limit: float, k_scale: float, v_scale: float,
 ) -> tuple[Tensor, Tensor]:
     """One sparse MoE decode layer: (x, residual) -> (out, residual); writes k/v and index_k."""
+    impl_calls["sparse"] += 1
     _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
     h, residual = stages.add_rmsnorm(x, residual, input_norm, eps)
     qkv_out = stages.mx_linear(h, qkv, qkv_scale)
@@ -87,6 +91,7 @@ def fused_dense_decode_layer(
         eps: float, alpha: float, limit: float, k_scale: float, v_scale: float,
 ) -> tuple[Tensor, Tensor]:
     """One dense decode layer (full GQA attention + SwiGLU-OAI MLP)."""
+    impl_calls["dense"] += 1
     _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
     h, residual = stages.add_rmsnorm(x, residual, input_norm, eps)
     qkv_out = stages.mx_linear(h, qkv, qkv_scale)

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from .. import reference as ref
 from ..backend import use_kernels
-from .checks import (check, check_activation, check_cache, check_dtype, check_linear, check_shape,
-                     check_step)
+from .checks import (check, check_activation, check_cache, check_down_proj, check_dtype, check_linear,
+                     check_shape, check_step)
 
 BF16 = torch.bfloat16
 
@@ -269,10 +269,12 @@ def _check_moe(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w
           f"w13: expected {num_routed_experts} experts (+1 shared in the table), got {experts}")
     check(w2.shape[0] == experts, f"w2: expected {experts} experts like w13, got {w2.shape[0]}")
     check(w2.shape[1] == h.shape[1], f"w2: expected {h.shape[1]} output rows, got shape {tuple(w2.shape)}")
+    check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1], experts=True)
     if shared_w13 is not None:
         check(experts == num_routed_experts, "shared_w13: given separately while w13 also holds a shared expert")
         check_linear("shared_w13", h, shared_w13, shared_w13_scale)
         check(shared_w2 is not None, "shared_w2: expected a tensor since shared_w13 is given, got None")
+        check_down_proj("shared_w2", "shared_w13", shared_w13, shared_w2, shared_w2_scale, h.shape[1])
 
 
 @torch.library.custom_op("minimax::moe_experts", mutates_args=())
@@ -305,6 +307,7 @@ def mlp(h: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor, w2_scale: 
     """Dense SwiGLU-OAI MLP (layers 0-2): w13 [2I, H] (gate rows, then up rows), w2 [H, I]."""
     check_activation("h", h)
     check_linear("w13", h, w13, w13_scale)
+    check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
     if use_kernels(h):
         from ..kernels.mx_linear import mx_linear as kernel
         gate, up = kernel(h, w13, w13_scale, out_dtype=torch.float32).chunk(2, dim=-1)
@@ -316,4 +319,5 @@ def mlp(h: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor, w2_scale: 
 def _(h, w13, w13_scale, w2, w2_scale, alpha, limit):
     check_activation("h", h)
     check_linear("w13", h, w13, w13_scale)
+    check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
     return h.new_empty(h.shape[0], w2.shape[0])

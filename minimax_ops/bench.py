@@ -1,0 +1,220 @@
+"""Benchmark of one real-size sparse MoE decode layer (TP 1): the fused op against the unfused path.
+
+    python -m minimax_ops bench [--tokens 1,2,4,8,16] [--contexts 4096,32768,131072]
+                                [--experts mxfp8,mxfp4] [--out BENCHMARKS.md] [--png bench.png]
+
+Per (expert format, tokens, context) it times, from CUDA-graph replay, the fused op
+(``fused_decode_layer``) and the unfused chain of vocabulary ops, and the unfused chain run eagerly
+(and compiled, with --compile). Bytes that must move are counted from the step itself: qkv+index
+and o_proj weights, the router, the distinct experts the step's tokens chose plus the shared expert,
+the KV rows of the blocks each (request, kv head) selected, the index keys of every request, and
+activations. Achieved TB/s is bytes / fused time; % is against a device-to-device copy measured in
+the same run. Requests have query_len 1 (one token each), fp8 KV and index caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+
+import torch
+
+from .cache import LayerCache, allocate_caches, build_step
+from .config import preset
+from .model import MiniMaxM3DecoderLayer
+from .weights import random_layer_weights
+
+LAYER = 3  # the first sparse MoE layer of the real config
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (_time(lambda: dst.copy_(src), graph=False) * 1e-6)
+
+
+def _time(fn, *, graph: bool, iters: int = 50) -> float:
+    """Median microseconds per call (CUDA events), from graph replay when graph=True."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def step_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, topk_ids, block_ids) -> int:
+    """The fewest bytes one step of this layer must move (each input read once, outputs written once)."""
+    c, n = layer.config, meta.num_tokens
+    total = sum(_bytes(getattr(layer, name)) for name in ("qkv", "qkv_scale", "o_proj", "o_proj_scale", "gate",
+                                                          "gate_bias", "input_norm", "post_norm"))
+    experts = torch.unique(topk_ids).tolist()
+    for e in experts:
+        total += sum(_bytes(t[e]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale) if t is not None)
+    total += sum(_bytes(getattr(layer, name)) for name in ("shared_w13", "shared_w13_scale", "shared_w2",
+                                                           "shared_w2_scale"))
+    row = 2 * c.head_dim * cache.kv.element_size()
+    seq = meta.seq_lens.tolist()
+    q = meta.query_len
+    for r in range(n // q):
+        for h in range(c.num_key_value_heads):
+            blocks = {b for b in block_ids[r * q:(r + 1) * q, h].flatten().tolist() if b >= 0}
+            total += sum(min(c.sparse_block_size, seq[r] - b * c.sparse_block_size) for b in blocks) * row
+        total += seq[r] * c.sparse_index_dim * cache.index.element_size()
+    total += 4 * n * c.hidden_size * 2  # x, residual in; out, residual out (bf16)
+    total += n * (2 * c.kv_size + c.sparse_index_dim) * cache.kv.element_size()  # cache writes
+    return total
+
+
+def bench_case(layer, cache, meta, *, compile_unfused: bool):
+    device = cache.kv.device
+    c = layer.config
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(meta.num_tokens, c.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+    residual = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
+    pos = meta.positions
+
+    def fused():
+        return layer.fused_forward(x, residual, pos, cache, meta)
+
+    def unfused():
+        return layer(x, residual, pos, cache, meta, True)
+
+    row = {"fused_us": _time(fused, graph=True), "unfused_graph_us": _time(unfused, graph=True),
+           "unfused_eager_us": _time(unfused, graph=False, iters=20)}
+    if compile_unfused:
+        compiled = torch.compile(unfused, fullgraph=True)
+        row["unfused_compiled_us"] = _time(compiled, graph=True)
+    # What the step touched, for the byte count.
+    h = torch.randn_like(x)
+    _, ids = torch.ops.minimax.route(h.to(torch.bfloat16), layer.gate, layer.gate_bias, c.num_experts_per_tok,
+                                     c.routed_scaling_factor)
+    qkv = torch.ops.minimax.mx_linear(x, layer.qkv, layer.qkv_scale)
+    index_q = qkv[:, c.q_size + 2 * c.kv_size:c.q_size + 2 * c.kv_size + c.index_q_size]
+    index_q = index_q.reshape(-1, c.sparse_num_index_heads, c.sparse_index_dim).contiguous()
+    block_ids = torch.ops.minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
+                                             c.sparse_topk_blocks)
+    row["bytes"] = step_bytes(layer, cache, meta, ids.cpu(), block_ids.cpu())
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minimax_ops bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--experts", default="mxfp4,mxfp8")
+    ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    contexts = [int(t) for t in args.contexts.split(",")]
+    cfg = preset("real")
+    bw = copy_bandwidth(device)
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    blocks = max(tokens) * (max(contexts) // cfg.sparse_block_size + 1) + 8
+    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
+                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
+                             kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
+                             fill="random")
+    cache = caches[LAYER]
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for fmt in args.experts.split(","):
+        weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=gen,
+                                       device=device)
+        layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
+        for ctx in contexts:
+            for n in tokens:
+                meta = build_step([ctx - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
+                                  device=device, generator=gen)
+                row = bench_case(layer, cache, meta, compile_unfused=args.compile and ctx == 32768)
+                row.update(experts=fmt, tokens=n, context=ctx)
+                row["tbps"] = row["bytes"] / (row["fused_us"] * 1e-6) / 1e12
+                row["pct"] = 100 * row["bytes"] / (row["fused_us"] * 1e-6) / bw
+                row["floor_us"] = row["bytes"] / bw * 1e6
+                rows.append(row)
+                print(format_row(row), flush=True)
+        del layer, weights
+        torch.cuda.empty_cache()
+    table = format_table(rows, bw)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# Benchmarks\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch "
+                    f"{torch.__version__}, triton {_triton_version()}\n\nCommand: `python -m minimax_ops bench "
+                    f"{' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
+    if args.png:
+        plot(rows, args.png)
+    return 0
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "absent"
+
+
+HEADER = ("| experts | tokens | context | fused us | floor us | MB moved | TB/s | % of copy BW | unfused graph us | "
+          "unfused eager us | unfused compiled us | speedup vs graph | speedup vs eager |")
+
+
+def format_row(r: dict) -> str:
+    comp = f"{r['unfused_compiled_us']:.1f}" if "unfused_compiled_us" in r else "-"
+    return (f"| {r['experts']} | {r['tokens']} | {r['context'] // 1024}k | {r['fused_us']:.1f} | {r['floor_us']:.1f} | "
+            f"{r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | {r['pct']:.0f}% | {r['unfused_graph_us']:.1f} | "
+            f"{r['unfused_eager_us']:.1f} | {comp} | {r['unfused_graph_us'] / r['fused_us']:.2f}x | "
+            f"{r['unfused_eager_us'] / r['fused_us']:.2f}x |")
+
+
+def format_table(rows: list[dict], bw: float) -> str:
+    sep = "|" + "|".join("---" for _ in HEADER.split("|")[1:-1]) + "|"
+    lines = [f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s.", "", HEADER, sep]
+    lines += [format_row(r) for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["experts"], r["context"]) for r in rows}):
+        pts = [r for r in rows if (r["experts"], r["context"]) == key]
+        ax.plot([r["tokens"] for r in pts], [r["pct"] for r in pts], marker="o", label=f"{key[0]}, {key[1] // 1024}k")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.set_title("fused_decode_layer, one MiniMax-M3 sparse MoE layer, TP 1")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,191 @@
+"""GPU tests (H200): kernels, the fused op and the compiled model against the reference, at tiny and
+real sizes, eager and under CUDA-graph capture. Skipped cleanly without CUDA (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minimax_ops  # noqa: F401
+from minimax_ops.cache import allocate_caches, build_step, request_block_ids
+from minimax_ops.config import preset
+from minimax_ops.model import MiniMaxM3DecoderLayer, MiniMaxM3ForCausalLM
+from minimax_ops.ops import fused as fused_ops
+from minimax_ops.reference_model import layer_forward, model_forward
+from minimax_ops.weights import random_layer_weights, random_model_weights
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all(), "non-finite output"
+    return ((a - b).norm() / b.norm()).item()
+
+
+def same_bytes(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _real_small_layers():
+    """The real per-layer dims (6144 hidden, 64/4 heads, 128 experts) over a 4-layer stack."""
+    return preset("real").replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1), sparse_attention_freq=(0, 0, 0, 1))
+
+
+CASES = [  # (config name, layer, linear fmt, expert fmt, shared, kv dtype, index dtype)
+    ("tiny", 1, "bf16", "bf16", "separate", BF16, BF16),
+    ("tiny", 1, "mxfp8", "mxfp4", "table", FP8, FP8),
+    ("tiny", 0, "mxfp8", "mxfp8", "separate", FP8, FP8),
+    ("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8),
+    ("real", 3, "mxfp8", "mxfp8", "table", FP8, BF16),
+    ("real", 0, "mxfp8", "mxfp8", "separate", BF16, BF16),
+]
+
+
+def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, contexts, query_len, seed):
+    cfg = preset("tiny") if name == "tiny" else _real_small_layers()
+    g = torch.Generator().manual_seed(seed)
+    w = random_layer_weights(cfg, layer_idx, linear_format=lin, expert_format=exp, shared=shared, generator=g,
+                             device="cuda")
+    bs = cfg.sparse_block_size
+    blocks = sum(-(-(c + query_len) // bs) for c in contexts) + 4
+    caches = allocate_caches(cfg, blocks, kv_dtype=kv_dtype, index_dtype=index_dtype, device="cuda", generator=g)
+    meta = build_step(contexts, query_len, block_size=bs, num_blocks=blocks, pad_requests=1, device="cuda",
+                      generator=g, table_width=blocks)
+    n = meta.num_tokens
+    x = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
+    res = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
+    layer = MiniMaxM3DecoderLayer(cfg, w, layer_idx).cuda()
+    return cfg, w, layer, caches[layer_idx], meta, x, res, blocks, g
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:5])) + f"-{c[5]}".replace("torch.", ""))
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_layer_matches_reference(case, query_len):
+    """Unfused chain (stage kernels) and fused op on CUDA vs the fp32 reference; caches identical."""
+    name = case[0]
+    contexts = [37, 80, 5] if name == "tiny" else [4000, 33000, 700, 128 * 20 - query_len]
+    cfg, w, layer, cache, meta, x, res, *_ = _setup(*case, contexts=contexts, query_len=query_len, seed=1)
+    ref_cache, unfused_cache, fused_cache = cache.clone(), cache.clone(), cache.clone()
+    want_out, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
+    out_u, res_u = layer(x, res, meta.positions, unfused_cache, meta, True)
+    out_f, res_f = layer.fused_forward(x, res, meta.positions, fused_cache, meta)
+    torch.cuda.synchronize()
+    real = meta.num_tokens - query_len  # the padding request's rows are excluded from numerics
+    for out, r in ((out_u, res_u), (out_f, res_f)):
+        assert rel(out[:real], want_out[:real]) < 2e-2
+        assert rel(r[:real], want_res[:real]) < 1e-2
+        assert torch.isfinite(out).all()
+    for got in (unfused_cache, fused_cache):
+        assert same_bytes(got.kv, ref_cache.kv) or rel(got.kv, ref_cache.kv) < 1e-2
+        if got.index is not None:
+            assert same_bytes(got.index, ref_cache.index) or rel(got.index, ref_cache.index) < 1e-2
+    # The fused op is the same computation as the unfused chain, bit for bit.
+    assert torch.equal(out_u, out_f) and torch.equal(res_u, res_f)
+
+
+@pytest.mark.parametrize("name,layer_idx", [("tiny", 1), ("real", 3), ("real", 0)])
+def test_fused_op_capture_and_replay(name, layer_idx):
+    """Capture the fused op once; write new steps into the same buffers; replay matches the reference."""
+    fmt = ("mxfp8", "mxfp4") if name == "real" else ("bf16", "bf16")
+    contexts = [300, 41] if name == "tiny" else [5000, 1500]
+    cfg, w, layer, cache, meta, x, res, blocks, g = _setup(name, layer_idx, *fmt, "separate", FP8, FP8, contexts, 1, 2)
+    static = dict(x=x.clone(), res=res.clone(), pos=meta.positions.clone(), slots=meta.slot_mapping.clone(),
+                  islots=meta.index_slot_mapping.clone(), table=meta.block_table.clone(), seq=meta.seq_lens.clone())
+    smeta = build_step(contexts, 1, block_size=cfg.sparse_block_size, num_blocks=blocks, pad_requests=1,
+                       device="cuda", generator=g, table_width=blocks)
+    for k, name_ in (("pos", "positions"), ("slots", "slot_mapping"), ("islots", "index_slot_mapping"),
+                     ("table", "block_table"), ("seq", "seq_lens")):
+        setattr(smeta, name_, static[k])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.fused_forward(static["x"], static["res"], static["pos"], cache.clone(), smeta)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    calls = dict(fused_ops.impl_calls)
+    with torch.cuda.graph(graph):
+        out, out_res = layer.fused_forward(static["x"], static["res"], static["pos"], cache, smeta)
+    after_capture = dict(fused_ops.impl_calls)
+    ids = request_block_ids(meta, cfg.sparse_block_size)
+    ctx = list(contexts)
+    for step in range(3):
+        ctx = [c + 1 for c in ctx]
+        new = build_step(ctx, 1, block_size=cfg.sparse_block_size, num_blocks=blocks, pad_requests=1, device="cuda",
+                         block_ids=ids, generator=g, table_width=blocks)
+        for k, t in (("pos", new.positions), ("slots", new.slot_mapping), ("islots", new.index_slot_mapping),
+                     ("table", new.block_table), ("seq", new.seq_lens)):
+            static[k].copy_(t)
+        static["x"].copy_(torch.randn(x.shape, generator=g).to(BF16))
+        static["res"].copy_(torch.randn(x.shape, generator=g).to(BF16))
+        ref_cache = cache.clone()
+        want, want_res = layer_forward(static["x"], static["res"], w, ref_cache, new, cfg)
+        out.fill_(float("nan"))  # poison: every element must be written by the replay
+        out_res.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        real = new.num_tokens - 1
+        assert rel(out[:real], want[:real]) < 2e-2
+        assert rel(out_res[:real], want_res[:real]) < 1e-2
+        assert same_bytes(cache.kv, ref_cache.kv) or rel(cache.kv, ref_cache.kv) < 1e-2
+        ids = request_block_ids(new, cfg.sparse_block_size)
+    assert fused_ops.impl_calls == after_capture, "the op's Python ran during replay"
+    assert sum(after_capture.values()) == sum(calls.values()) + 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "real2"])
+def test_compiled_model_with_pass_full_cuda_graph(name):
+    """torch.compile + the pass, captured whole in a CUDA graph, replays decode steps that match the
+    eager reference; the fused op is in the graph and its Python does not run per replay."""
+    from graph_passes import MiniMaxM3DecodePass
+    if name == "tiny":
+        cfg, fmts = preset("tiny"), dict(linear_format="mxfp8", expert_format="mxfp4")
+    else:  # 1 dense + 1 sparse MoE layer at the real dims, small vocabulary
+        cfg = preset("real").replace(num_hidden_layers=2, moe_layer_freq=(0, 1), sparse_attention_freq=(0, 1),
+                                     vocab_size=512)
+        fmts = dict(linear_format="mxfp8", expert_format="mxfp4")
+    g = torch.Generator().manual_seed(3)
+    weights = random_model_weights(cfg, generator=g, device="cuda", **fmts)
+    model = MiniMaxM3ForCausalLM(cfg, weights).cuda()
+    bs = cfg.sparse_block_size
+    prompts = [40, 23] if name == "tiny" else [300, 200]
+    blocks = sum(-(-(p + 8) // bs) for p in prompts) + 4
+    caches = allocate_caches(cfg, blocks, kv_dtype=FP8, index_dtype=FP8, device="cuda", generator=g)
+    pre = build_step([0, 0], prompts, block_size=bs, num_blocks=blocks, device="cuda", generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (sum(prompts),), generator=g).cuda()
+    model(ids, pre.positions, caches, pre)  # prefill through the eager model fills the caches
+    block_ids = request_block_ids(pre, bs)
+    ctx = list(prompts)
+    meta = build_step(ctx, 1, block_size=bs, num_blocks=blocks, block_ids=block_ids, pad_requests=2, device="cuda",
+                      generator=g, table_width=blocks)
+    tokens = torch.randint(0, cfg.vocab_size, (meta.num_tokens,), generator=g).cuda()
+    p = MiniMaxM3DecodePass(record=True)
+    compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": p})
+    warm = [c.clone() for c in caches]
+    compiled(tokens, meta.positions, warm, meta)  # compile + warm up on scratch caches
+    assert p.rewrites == cfg.num_hidden_layers
+    assert "fused_decode_layer" in p.graphs[-1][1]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = compiled(tokens, meta.positions, caches, meta)
+    calls = dict(fused_ops.impl_calls)
+    for step in range(4):
+        ref_caches = [c.clone() for c in caches]
+        new = build_step(ctx, 1, block_size=bs, num_blocks=blocks, block_ids=block_ids, pad_requests=2,
+                         device="cuda", generator=g, table_width=blocks)
+        for field in ("positions", "slot_mapping", "index_slot_mapping", "block_table", "seq_lens"):
+            getattr(meta, field).copy_(getattr(new, field))
+        tokens.copy_(torch.randint(0, cfg.vocab_size, tokens.shape, generator=g))
+        want = model_forward(tokens, weights, ref_caches, new, cfg)
+        logits.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(logits[:2], want[:2]) < 3e-2, f"step {step}"
+        for a, b in zip(caches, ref_caches):
+            assert same_bytes(a.kv, b.kv) or rel(a.kv, b.kv) < 1e-2
+        block_ids = request_block_ids(new, bs)
+        ctx = [c + 1 for c in ctx]
+    assert fused_ops.impl_calls == calls, "the fused op's Python ran during replay"
