@@ -43,9 +43,10 @@ class MiniMaxM3DecodePass(_PassBase):
     """See the module docstring. ``deployment=None`` reads it lazily from vLLM's current config when
     running under vLLM, else uses the permissive default Deployment()."""
 
-    def __init__(self, deployment: Deployment | None = None, *, record: bool = False):
+    def __init__(self, deployment: Deployment | None = None, *, record: bool = False, checked: bool = False):
         self.deployment = deployment
         self.record = record
+        self.checked = checked  # fused layers also run the unfused chain and compare (ops/checked.py)
         self.graphs: list[tuple[str, str]] = []  # (before, after) per call when record=True
         self.rewrites = 0  # layers fused, over all calls
         self.calls = 0
@@ -56,6 +57,7 @@ class MiniMaxM3DecodePass(_PassBase):
         for path in _SOURCES:
             h.update(path.read_bytes())
         h.update(self._deployment().key().encode())
+        h.update(f"checked={self.checked}".encode())
         return h.hexdigest()
 
     def is_applicable_for_range(self, compile_range: Any) -> bool:
@@ -96,13 +98,16 @@ class MiniMaxM3DecodePass(_PassBase):
         if range_ is not None and not self.is_applicable_for_range(range_):
             return 0
         fused = 0
+        layer = -1  # decode layers seen so far, in graph order: labels checked-mode reports
         anchors = {p.insert_op: p for p in PATTERNS}
         for node in list(graph.nodes):
             pattern = anchors.get(op_of(node))
             if pattern is None or node.graph is not graph:
                 continue
+            layer += 1
             try:
                 match = pattern.match(node)
+                match.kwargs.update(layer_index=layer, checked=self.checked)
                 why = step_refusal({**match.kwargs, **match.mutated}, deployment)
                 if why is not None:
                     raise Refused(why)

@@ -40,8 +40,9 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (_time(lambda: dst.copy_(src), graph=False) * 1e-6)
 
 
-def _time(fn, *, graph: bool, iters: int = 50) -> float:
-    """Median microseconds per call (CUDA events), from graph replay when graph=True."""
+def _time(fn, *, graph: bool, iters: int = 30, reps: int = 10) -> float:
+    """Median microseconds per call (CUDA events around ``reps`` back-to-back calls, so launch
+    latency between calls is what a decode loop would see), from graph replay when graph=True."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -58,10 +59,11 @@ def _time(fn, *, graph: bool, iters: int = 50) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        for _ in range(reps):
+            run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / reps)
     return statistics.median(times)
 
 
@@ -103,7 +105,7 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
         return layer(x, residual, pos, cache, meta, True)
 
     row = {"fused_us": _time(fused, graph=True), "unfused_graph_us": _time(unfused, graph=True),
-           "unfused_eager_us": _time(unfused, graph=False, iters=20)}
+           "unfused_eager_us": _time(unfused, graph=False, iters=5)}
     if compile_unfused:
         compiled = torch.compile(unfused, fullgraph=True)
         row["unfused_compiled_us"] = _time(compiled, graph=True)
@@ -120,6 +122,50 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
     return row
 
 
+def stage_breakdown(layer, cache, meta) -> list[tuple[str, float, int]]:
+    """(stage, microseconds from graph replay, bytes of weights it streams) for each vocabulary op."""
+    mm, c = torch.ops.minimax, layer.config
+    dev = cache.kv.device
+    n = meta.num_tokens
+    x = torch.randn(n, c.hidden_size, device=dev).to(torch.bfloat16)
+    qkv = mm.mx_linear(x, layer.qkv, layer.qkv_scale)
+    q, iq = mm.qk_norm_rope_kv_index_insert(
+        qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, layer.q_norm, layer.k_norm,
+        layer.index_q_norm, layer.index_k_norm, cache.kv, cache.index, c.num_attention_heads,
+        c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.sparse_num_index_heads,
+        c.sparse_index_dim)
+    ids = mm.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len, c.sparse_topk_blocks)
+    attn = mm.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0)
+    w, e = mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
+    expert_bytes = sum(_bytes(t[0]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale)
+                       if t is not None) * len(torch.unique(e))
+    stages = [
+        ("add_rmsnorm", lambda: mm.add_rmsnorm(x, x, layer.input_norm, c.rms_norm_eps), 0),
+        ("mx_linear qkv", lambda: mm.mx_linear(x, layer.qkv, layer.qkv_scale),
+         _bytes(layer.qkv) + _bytes(layer.qkv_scale)),
+        ("qk_norm_rope_kv_index_insert", lambda: mm.qk_norm_rope_kv_index_insert(
+            qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, layer.q_norm, layer.k_norm,
+            layer.index_q_norm, layer.index_k_norm, cache.kv, cache.index, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.sparse_num_index_heads,
+            c.sparse_index_dim), 0),
+        ("index_topk", lambda: mm.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
+                                             c.sparse_topk_blocks), 0),
+        ("sparse_attention_decode", lambda: mm.sparse_attention_decode(
+            q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0), 0),
+        ("mx_linear o_proj", lambda: mm.mx_linear(attn, layer.o_proj, layer.o_proj_scale),
+         _bytes(layer.o_proj) + _bytes(layer.o_proj_scale)),
+        ("route", lambda: mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor),
+         _bytes(layer.gate)),
+        ("moe_experts", lambda: mm.moe_experts(x, e, w, layer.w13, layer.w13_scale, layer.w2, layer.w2_scale,
+                                               layer.shared_w13, layer.shared_w13_scale, layer.shared_w2,
+                                               layer.shared_w2_scale, c.num_local_experts, c.swiglu_alpha,
+                                               c.swiglu_limit),
+         expert_bytes + sum(_bytes(getattr(layer, k)) for k in ("shared_w13", "shared_w13_scale", "shared_w2",
+                                                                  "shared_w2_scale"))),
+    ]
+    return [(name, _time(fn, graph=True), nbytes) for name, fn, nbytes in stages]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minimax_ops bench", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,2,4,8,16")
@@ -128,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
+    ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
@@ -161,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["floor_us"] = row["bytes"] / bw * 1e6
                 rows.append(row)
                 print(format_row(row), flush=True)
+                if args.stages and ctx == contexts[0]:
+                    for name, us, nbytes in stage_breakdown(layer, cache, meta):
+                        rate = f", {nbytes / (us * 1e-6) / 1e12:.2f} TB/s of weights" if nbytes else ""
+                        print(f"    stage {name:30s} {us:8.1f} us{rate}", flush=True)
         del layer, weights
         torch.cuda.empty_cache()
     table = format_table(rows, bw)

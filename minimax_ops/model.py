@@ -84,12 +84,12 @@ class MiniMaxM3DecoderLayer(nn.Module):
             return minimax.fused_dense_decode_layer(
                 x, residual, positions, meta.slot_mapping, meta.block_table, meta.seq_lens, cache.kv,
                 *(getattr(self, n) for n in DENSE_WEIGHTS), *dims, c.swiglu_alpha, c.swiglu_limit,
-                self.k_scale, self.v_scale)
+                self.k_scale, self.v_scale, self.layer_index)
         return minimax.fused_decode_layer(
             x, residual, positions, meta.slot_mapping, meta.index_slot_mapping, meta.block_table, meta.seq_lens,
             cache.kv, cache.index, *(getattr(self, n) for n in SPARSE_WEIGHTS), *dims, c.sparse_num_index_heads,
             c.sparse_index_dim, c.sparse_topk_blocks, c.num_experts_per_tok, c.routed_scaling_factor,
-            c.num_local_experts, c.swiglu_alpha, c.swiglu_limit, self.k_scale, self.v_scale)
+            c.num_local_experts, c.swiglu_alpha, c.swiglu_limit, self.k_scale, self.v_scale, self.layer_index)
 
     def _attention(self, qkv, positions, cache: LayerCache, meta: StepMetadata, query_len: int):
         """query_len > 0: the decode vocabulary; 0: any step (metadata widened to what the ops take,
