@@ -108,7 +108,7 @@ class MiniMaxM3DecodePass(_PassBase):
             try:
                 match = pattern.match(node)
                 match.kwargs.update(layer_index=layer, checked=self.checked)
-                why = step_refusal({**match.kwargs, **match.mutated}, deployment)
+                why = step_refusal({**match.kwargs, **match.mutated}, deployment, getattr(range_, "end", None))
                 if why is not None:
                     raise Refused(why)
                 _check_order(graph, match)

@@ -22,8 +22,9 @@ def _val(x: Any) -> Any:
     return x.meta.get("val") if isinstance(x, Node) else x
 
 
-def step_refusal(kw: dict[str, Any], deployment: Deployment) -> str | None:
-    """Why the matched layer's step cannot be fused, or None."""
+def step_refusal(kw: dict[str, Any], deployment: Deployment, range_end: int | None = None) -> str | None:
+    """Why the matched layer's step cannot be fused, or None. ``range_end``: the last token count of
+    the compile range being compiled (vLLM), which bounds a symbolic token count."""
     x = _val(kw["x"])
     if x is None:
         return "no FakeTensor metadata on the layer input"
@@ -32,7 +33,8 @@ def step_refusal(kw: dict[str, Any], deployment: Deployment) -> str | None:
         return f"query_len is not a compile-time constant ({q!r})"
     if not (1 <= q <= MAX_TOKENS):
         return f"query_len={q} outside 1..{MAX_TOKENS}"
-    if not statically_known_true(n <= MAX_TOKENS) or not statically_known_true(n >= 1):
+    bounded = range_end is not None and range_end <= MAX_TOKENS
+    if not (bounded or statically_known_true(n <= MAX_TOKENS)) or not statically_known_true(n >= 1):
         return f"step of {n} tokens is not known to be within 1..{MAX_TOKENS}"
     if not statically_known_true(n % q == 0):
         return f"step of {n} tokens is not known to be a multiple of query_len={q}"

@@ -44,6 +44,8 @@ class MiniMaxM3DecoderLayer(nn.Module):
     """One decoder layer; parameters in the fused forms the ops take (see loader.py for the mapping
     from the checkpoint's tensor names)."""
 
+    decode_query_len = 0  # set by MiniMaxM3ForCausalLM.set_decode_query_len (vLLM mode)
+
     def __init__(self, config: MiniMaxM3Config, weights: LayerWeights, layer_index: int):
         super().__init__()
         self.config, self.kind, self.layer_index = config, weights.kind, layer_index
@@ -63,7 +65,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         c = self.config
         h, residual = minimax.add_rmsnorm(x, residual, self.input_norm, c.rms_norm_eps)
         qkv = minimax.mx_linear(h, self.qkv, self.qkv_scale)
-        attn = self._attention(qkv, positions, cache, meta, _STATIC_INTS[meta.query_len] if decode else 0)
+        attn = self._attention(qkv, positions, cache, meta, self._query_len(meta) if decode else 0)
         o = minimax.mx_linear(attn, self.o_proj, self.o_proj_scale)
         h, residual = minimax.add_rmsnorm(o, residual, self.post_norm, c.rms_norm_eps)
         if not self.sparse:
@@ -75,10 +77,14 @@ class MiniMaxM3DecoderLayer(nn.Module):
                                   c.num_local_experts, c.swiglu_alpha, c.swiglu_limit)
         return out, residual
 
+    def _query_len(self, meta: StepMetadata) -> int:
+        # vLLM mode traces the configured decode query length; otherwise the step's (specialised).
+        return self.decode_query_len or _STATIC_INTS[meta.query_len]
+
     def fused_forward(self, x, residual, positions, cache: LayerCache, meta: StepMetadata):
         """The same layer as one fused op call (decode steps only)."""
         c = self.config
-        dims = (_STATIC_INTS[meta.query_len], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim,
+        dims = (self._query_len(meta), c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim,
                 c.rope_theta, c.rms_norm_eps)
         if not self.sparse:
             return minimax.fused_dense_decode_layer(
@@ -136,6 +142,18 @@ class MiniMaxM3ForCausalLM(nn.Module):
     pass produces under torch.compile); by default the model speaks the unfused vocabulary."""
 
     use_fused_ops = False
+    decode_query_len = 0
+
+    def set_decode_query_len(self, query_len: int) -> None:
+        """vLLM mode: vLLM drops Dynamo guards, so forward must not branch on host-side step facts.
+        With query_len > 0 it always traces the decode chain for that query length, and the
+        step-kind-dependent ops decide at run time from step_context (falling back to the general
+        computation for prefills and mixed batches). 0 restores guard-based branching."""
+        if not 0 <= query_len <= MAX_TOKENS:
+            raise ValueError(f"query_len: expected 0..{MAX_TOKENS}, got {query_len}")
+        self.decode_query_len = query_len
+        for layer in self.model.layers:
+            layer.decode_query_len = query_len
 
     def __init__(self, config: MiniMaxM3Config, weights: ModelWeights):
         super().__init__()
@@ -147,7 +165,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: StepMetadata) -> torch.Tensor:
-        decode = decode_eligible(input_ids.shape[0], positions, meta)
+        decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
         x = self.model.embed_tokens(input_ids)
         residual = torch.zeros_like(x)
         fused = decode and self.use_fused_ops

@@ -27,6 +27,7 @@ from ..constants import MAX_TOKENS
 from . import checked as checked_mode
 from . import stages
 from .checks import check, check_activation, check_cache, check_down_proj, check_linear, check_shape, check_step
+from ..step_context import general_step
 from .validate import should_validate, validate_step_values
 
 # How often each fused op's Python implementation ran: a captured CUDA graph replays without it.
@@ -134,10 +135,14 @@ def fused_decode_layer(
 ) -> tuple[Tensor, Tensor]:
     """One sparse MoE decode layer: (x, residual) -> (out, residual); writes k/v and index_k."""
     impl_calls["sparse"] += 1
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
+    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
+    fallback = general_step(query_len) is not None
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
+                None if fallback else query_len)
     check_cache("index_cache", index_cache, (kv_cache.shape[0], kv_cache.shape[2], None))
     checked = checked or checked_mode.enabled()
-    if should_validate(x, checked):
+    if should_validate(x, checked) and not fallback:
         validate_step_values(x, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
                              index_cache, query_len, finite=checked)
     w = dict(zip(SPARSE_WEIGHTS, (input_norm, qkv, qkv_scale, q_norm, k_norm, index_q_norm, index_k_norm, o_proj,
@@ -147,8 +152,8 @@ def fused_decode_layer(
     consts = (query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim,
               topk_blocks, top_k, routed_scaling, num_routed_experts, alpha, limit, k_scale, v_scale)
     step = (x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens)
-    return _run("sparse_moe", layer_index, checked, [kv_cache, index_cache],
-                lambda c: fused_sparse_impl(*step, c[0], c[1], w, *consts),
+    return _run("sparse_moe", layer_index, checked and not fallback, [kv_cache, index_cache],
+                lambda c: (_sparse_stages if fallback else fused_sparse_impl)(*step, c[0], c[1], w, *consts),
                 lambda c: _sparse_stages(*step, c[0], c[1], w, *consts))
 
 
@@ -173,9 +178,13 @@ def fused_dense_decode_layer(
 ) -> tuple[Tensor, Tensor]:
     """One dense decode layer (full GQA attention + SwiGLU-OAI MLP)."""
     impl_calls["dense"] += 1
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
+    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
+    fallback = general_step(query_len) is not None
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
+                None if fallback else query_len)
     checked = checked or checked_mode.enabled()
-    if should_validate(x, checked):
+    if should_validate(x, checked) and not fallback:
         validate_step_values(x, positions, slot_mapping, None, block_table, seq_lens, kv_cache, None, query_len,
                              finite=checked)
     w = dict(zip(DENSE_WEIGHTS, (input_norm, qkv, qkv_scale, q_norm, k_norm, o_proj, o_proj_scale, post_norm, w13,
@@ -184,8 +193,8 @@ def fused_dense_decode_layer(
     consts = (query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, alpha, limit, k_scale,
               v_scale)
     step = (x, residual, positions, slot_mapping, block_table, seq_lens)
-    return _run("dense", layer_index, checked, [kv_cache],
-                lambda c: fused_dense_impl(*step, c[0], w, *consts),
+    return _run("dense", layer_index, checked and not fallback, [kv_cache],
+                lambda c: (_dense_stages if fallback else fused_dense_impl)(*step, c[0], w, *consts),
                 lambda c: _dense_stages(*step, c[0], w, *consts))
 
 

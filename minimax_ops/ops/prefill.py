@@ -40,3 +40,33 @@ def attention_any_step(q: Tensor, index_q: Tensor | None, kv_cache: Tensor, inde
 def _(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens, topk, k_scale, v_scale):
     _check(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens)
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+# ---- run-time fallbacks of the decode ops (step_context.general_step) ------------------------------------
+
+
+def _real_tokens(query_lens) -> int:
+    return sum(query_lens)
+
+
+def general_index_topk(index_q, index_cache, block_table, seq_lens, topk, query_lens):
+    """index_topk for any step; tokens past sum(query_lens) (CUDA-graph padding) get -1."""
+    n, real = index_q.shape[0], _real_tokens(query_lens)
+    out = torch.full((n, index_q.shape[1], topk), -1, dtype=torch.int32, device=index_q.device)
+    out[:real] = ref.index_topk(index_q[:real], index_cache, block_table, seq_lens, 0, topk,
+                                query_lens=list(query_lens))
+    return out
+
+
+def general_attention(q, kv_cache, block_table, seq_lens, block_ids, k_scale, v_scale, query_lens):
+    """Sparse (block_ids given) or dense attention for any step; padding tokens get zeros."""
+    n, real = q.shape[0], _real_tokens(query_lens)
+    out = torch.zeros(n, q.shape[1] * q.shape[2], dtype=torch.bfloat16, device=q.device)
+    lens = list(query_lens)
+    if block_ids is None:
+        o = ref.dense_attention(q[:real], kv_cache, block_table, seq_lens, 0, k_scale, v_scale, query_lens=lens)
+    else:
+        o = ref.sparse_attention(q[:real], kv_cache, block_table, seq_lens, block_ids[:real], 0, k_scale, v_scale,
+                                 query_lens=lens)
+    out[:real] = o.reshape(real, -1).to(torch.bfloat16)
+    return out

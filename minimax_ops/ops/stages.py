@@ -24,6 +24,8 @@ from torch import Tensor
 
 from .. import reference as ref
 from ..backend import use_kernels
+from ..step_context import general_step
+from . import prefill
 from .checks import (check, check_activation, check_cache, check_down_proj, check_dtype, check_linear,
                      check_shape, check_step)
 
@@ -165,7 +167,10 @@ def index_topk(index_q: Tensor, index_cache: Tensor, block_table: Tensor, seq_le
                topk: int) -> Tensor:
     """Lightning indexer: per token and index head, the local block plus the best blocks by
     max-over-positions score. [n, Hi, topk] int32 logical block ids, -1 padded."""
-    _check_index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk)
+    step = general_step(query_len)  # not the uniform decode this graph was traced for (step_context.py)
+    _check_index_topk(index_q, index_cache, block_table, seq_lens, None if step else query_len, topk)
+    if step is not None:
+        return prefill.general_index_topk(index_q, index_cache, block_table, seq_lens, topk, step.query_lens)
     if use_kernels(index_q):
         from ..kernels.index_topk import index_topk as kernel
         return kernel(index_q, index_cache, block_table, seq_lens, query_len, topk)
@@ -194,7 +199,11 @@ def _check_attention(q, kv_cache, block_table, seq_lens, query_len, block_ids=No
 def sparse_attention_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, block_ids: Tensor,
                             query_len: int, k_scale: float, v_scale: float) -> Tensor:
     """Block-sparse GQA decode over each kv head's selected blocks, causal. [n, H*D] bf16."""
-    _check_attention(q, kv_cache, block_table, seq_lens, query_len, block_ids)
+    step = general_step(query_len)
+    _check_attention(q, kv_cache, block_table, seq_lens, None if step else query_len, block_ids)
+    if step is not None:
+        return prefill.general_attention(q, kv_cache, block_table, seq_lens, block_ids, k_scale, v_scale,
+                                         step.query_lens)
     if use_kernels(q):
         from ..kernels.attention import sparse_attention_decode as kernel
         return kernel(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
@@ -212,7 +221,11 @@ def _(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale
 def dense_attention_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, query_len: int,
                            k_scale: float, v_scale: float) -> Tensor:
     """Full causal GQA decode over every cached position (dense layers). [n, H*D] bf16."""
-    _check_attention(q, kv_cache, block_table, seq_lens, query_len)
+    step = general_step(query_len)
+    _check_attention(q, kv_cache, block_table, seq_lens, None if step else query_len)
+    if step is not None:
+        return prefill.general_attention(q, kv_cache, block_table, seq_lens, None, k_scale, v_scale,
+                                         step.query_lens)
     if use_kernels(q):
         from ..kernels.attention import dense_attention_decode as kernel
         return kernel(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)

@@ -1,0 +1,57 @@
+"""Host-side facts of the step being run, for decisions that a compiled graph cannot guard.
+
+vLLM drops Dynamo guards and picks a compiled graph by token count alone, so a 4-token prefill
+runs the artifact compiled for a 4-request decode. The step-kind-dependent ops (indexer, attention,
+the fused layers) therefore ask here at run time: when the current step is not a uniform decode of
+the query length they were traced for, they compute the general (any-step) version instead. The
+facts are host-side and identical on every rank (the scheduler's metadata), and reading them needs
+no device sync. Under a full CUDA graph the decision is taken once at capture, per batch kind.
+
+The current step is what ``use_step(meta)`` set, else a StepMetadata passed to vLLM as the forward
+context's attn_metadata; None outside both (plain torch.compile: Dynamo guards decided already).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .cache import StepMetadata
+
+_local = threading.local()
+
+
+@contextmanager
+def use_step(meta: StepMetadata) -> Iterator[StepMetadata]:
+    previous = getattr(_local, "step", None)
+    _local.step = meta
+    try:
+        yield meta
+    finally:
+        _local.step = previous
+
+
+def current_step() -> StepMetadata | None:
+    step = getattr(_local, "step", None)
+    if step is not None:
+        return step
+    forward_context = sys.modules.get("vllm.forward_context")  # only if vLLM is already in use
+    if forward_context is not None:
+        try:
+            attn = forward_context.get_forward_context().attn_metadata
+        except (AssertionError, AttributeError):  # no forward context set
+            return None
+        if isinstance(attn, StepMetadata):
+            return attn
+    return None
+
+
+def general_step(query_len: int) -> StepMetadata | None:
+    """The current step when it is NOT a uniform decode of ``query_len`` (the ops must then take
+    the general path), else None."""
+    step = current_step()
+    if step is None or (step.num_prefills == 0 and step.query_len == query_len):
+        return None
+    return step
