@@ -37,19 +37,28 @@ def check_device(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     check(t.device == like.device, f"{name}: expected a tensor on {like.device}, got {t.device}")
 
 
-def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                 experts: bool = False) -> WeightFormat:
-    """A (weight, scale) pair of any supported format whose K matches x's last dimension."""
+def _checked_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, experts: bool):
+    """Format and rank of a (weight, scale) pair -> (format, K)."""
     try:
         fmt = weight_format(weight, scale)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     rank = 3 if experts else 2
     check(weight.dim() == rank, f"{name}: expected a {rank}-d weight, got shape {tuple(weight.shape)}")
-    k = logical_in_features(weight)
-    check(x.shape[-1] == k, f"{name}: weight takes {k} input features, the activation has {x.shape[-1]}")
+    return fmt, logical_in_features(weight)
+
+
+def _check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k: int) -> None:
     if scale is not None:
         check_shape(f"{name}_scale", scale, (*weight.shape[:-1], k // 32))
+
+
+def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                 experts: bool = False) -> WeightFormat:
+    """A (weight, scale) pair of any supported format whose K matches x's last dimension."""
+    fmt, k = _checked_weight(name, weight, scale, experts)
+    check(x.shape[-1] == k, f"{name}: weight takes {k} input features, the activation has {x.shape[-1]}")
+    _check_scale(name, weight, scale, k)
     return fmt
 
 
@@ -59,18 +68,12 @@ def check_down_proj(name: str, up_name: str, up: torch.Tensor, weight: torch.Ten
     rows [.., 2I, K]: it must take I input features and give out_features."""
     check(up.shape[-2] % 2 == 0, f"{up_name}: expected an even number of rows (gate, then up), got shape "
                                  f"{tuple(up.shape)}")
-    try:
-        fmt = weight_format(weight, scale)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-    rank = 3 if experts else 2
-    check(weight.dim() == rank, f"{name}: expected a {rank}-d weight, got shape {tuple(weight.shape)}")
-    inter, k = up.shape[-2] // 2, logical_in_features(weight)
+    fmt, k = _checked_weight(name, weight, scale, experts)
+    inter = up.shape[-2] // 2
     check(k == inter, f"{name}: expected {inter} input features (half of {up_name}'s rows), got {k}")
     check(weight.shape[-2] == out_features, f"{name}: expected {out_features} output rows, got shape "
                                             f"{tuple(weight.shape)}")
-    if scale is not None:
-        check_shape(f"{name}_scale", scale, (*weight.shape[:-1], k // 32))
+    _check_scale(name, weight, scale, k)
     return fmt
 
 
