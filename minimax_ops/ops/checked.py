@@ -5,6 +5,8 @@ op's ``checked`` argument). The fused computation writes the real caches; the un
 clones, which must end byte-identical, so caches are written once. Per layer and token the max
 absolute and relative differences of output and residual go to the ``minimax_ops`` logger, and a
 relative difference past MINIMAX_OPS_CHECK_TOL (default 2e-2) raises CheckedModeError.
+It is a debugging mode: each checked step clones the layer's caches and syncs with the host, so it
+cannot run under CUDA-graph capture (the op says so) and costs a cache copy per layer and step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class CheckedModeError(AssertionError):
 
 
 def enabled() -> bool:
-    return os.environ.get("MINIMAX_OPS_CHECK", "0") not in ("", "0")
+    return os.environ.get("MINIMAX_OPS_CHECK", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def tolerance() -> float:
