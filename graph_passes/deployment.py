@@ -32,8 +32,15 @@ class Deployment:
     block_size: int | None = None  # None: the model config's sparse_block_size
     max_model_len: int | None = None
     piecewise_cudagraphs: bool = False  # PIECEWISE / FULL_AND_PIECEWISE split graphs at attention
+    # FULL: one capture serves decode and mixed batches of the same padded size, freezing the
+    # batch-kind decision (step_context.py) at capture; FULL_DECODE_ONLY captures decodes alone.
+    mixed_batch_cudagraphs: bool = False
     splitting_ops: tuple[str, ...] = ()
     model_config: MiniMaxM3Config | None = None
+    # Context parallelism shards the KV cache across ranks (vLLM's parallel_config).
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    model_config_error: str | None = None  # the served MiniMax-M3 config could not be parsed
 
     def key(self) -> str:
         """Stable text of every field, for the pass's uuid()."""
@@ -55,6 +62,12 @@ def deployment_refusal(d: Deployment) -> str | None:
         return f"pipeline_parallel_size={d.pipeline_parallel_size}: the fused decode needs pipeline parallelism 1"
     if d.enable_expert_parallel:
         return "expert parallelism is enabled: the fused decode keeps every expert on every rank"
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(d, name) != 1:
+            return (f"{name}={getattr(d, name)}: context parallelism shards the KV cache across ranks, "
+                    "the fused decode needs each request's whole cache on one rank")
+    if d.model_config_error is not None:
+        return f"the served MiniMax-M3 config is not supported by the fused decode: {d.model_config_error}"
     for which in ("kv", "index"):
         dtype = d.cache_dtype(which)
         if isinstance(dtype, str):
@@ -65,6 +78,9 @@ def deployment_refusal(d: Deployment) -> str | None:
                 f"{cfg.sparse_block_size}")
     if d.max_model_len is not None and d.max_model_len > MAX_CONTEXT:
         return f"max_model_len={d.max_model_len} exceeds the fused decode's limit of {MAX_CONTEXT} tokens"
+    if d.mixed_batch_cudagraphs:
+        return ("FULL CUDA graphs replay one capture for decode and mixed batches of the same padded size, "
+                "but the decode layers decide the batch kind at capture; use FULL_DECODE_ONLY (or NONE)")
     if d.piecewise_cudagraphs:
         return ("piecewise CUDA graphs split each layer at attention, so no whole decode layer is visible "
                 "to fuse; use FULL_DECODE_ONLY or FULL (or NONE)")

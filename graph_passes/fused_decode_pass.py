@@ -28,6 +28,7 @@ from .decode_layer_patterns import PATTERNS, Refused
 from .deployment import Deployment, deployment_refusal
 from .fx_utils import op_of
 from .guards import step_refusal
+from .vllm_config import deployment_from_current_vllm_config
 
 try:  # vLLM wants an InductorPass instance; without vLLM, torch's CustomGraphPass is the contract
     from vllm.compilation.passes.inductor_pass import InductorPass as _PassBase
@@ -35,7 +36,8 @@ except Exception:  # noqa: BLE001 - vLLM absent or unimportable on this machine
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
 
 _SOURCES = [pathlib.Path(__file__).parent / name for name in
-            ("fused_decode_pass.py", "decode_layer_patterns.py", "fx_utils.py", "guards.py", "deployment.py")]
+            ("fused_decode_pass.py", "decode_layer_patterns.py", "fx_utils.py", "guards.py", "deployment.py",
+             "vllm_config.py")]
 _SOURCES.append(pathlib.Path(__file__).parents[1] / "minimax_ops" / "ops" / "fused.py")
 
 
@@ -72,12 +74,8 @@ class MiniMaxM3DecodePass(_PassBase):
     def _deployment(self) -> Deployment:
         if self.deployment is not None:
             return self.deployment
-        try:
-            from .vllm_config import deployment_from_current_vllm_config
-            found = deployment_from_current_vllm_config()
-        except ImportError:
-            found = None
-        return found or Deployment()
+        # None when vLLM is not in use (or no config is current); any other failure propagates.
+        return deployment_from_current_vllm_config() or Deployment()
 
     # ---- the rewrite ------------------------------------------------------------------------------
     def __call__(self, graph: Graph) -> None:
