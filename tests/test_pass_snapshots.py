@@ -98,7 +98,8 @@ fused_dense_decode_layer = af_v2 minimax.fused_dense_decode_layer(x=embedding, r
     slot_mapping=in2, block_table=in4, seq_lens=in5, kv_cache=in11!, input_norm=in7, qkv=in8, qkv_scale=None,
     q_norm=in9, k_norm=in10, o_proj=in12, o_proj_scale=None, post_norm=in13, w13=in14, w13_scale=None,
     w2=in15, w2_scale=None, query_len=1, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
-    rope_theta=5000000.0, eps=1e-06, alpha=1.702, limit=7.0, k_scale=1.0, v_scale=1.0)
+    rope_theta=5000000.0, eps=1e-06, alpha=1.702, limit=7.0, k_scale=1.0, v_scale=1.0, layer_index=0,
+    checked=False)
 fused_decode_layer = af_v2 minimax.fused_decode_layer(x=fused_dense_decode_layer[0],
     residual=fused_dense_decode_layer[1], positions=in1, slot_mapping=in2, index_slot_mapping=in3,
     block_table=in4, seq_lens=in5, kv_cache=in22!, index_cache=in23!, input_norm=in16, qkv=in17,
@@ -107,7 +108,7 @@ fused_decode_layer = af_v2 minimax.fused_decode_layer(x=fused_dense_decode_layer
     w2_scale=None, shared_w13=in30, shared_w13_scale=None, shared_w2=in31, shared_w2_scale=None, query_len=1,
     num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16, rope_theta=5000000.0, eps=1e-06, index_heads=2,
     index_dim=32, topk_blocks=4, top_k=2, routed_scaling=2.0, num_routed_experts=8, alpha=1.702, limit=7.0,
-    k_scale=1.0, v_scale=1.0)
+    k_scale=1.0, v_scale=1.0, layer_index=1, checked=False)
 add_rmsnorm = minimax.add_rmsnorm(fused_decode_layer[0], fused_decode_layer[1], in32, 1e-06)
 mx_linear = minimax.mx_linear(add_rmsnorm[0], in33, None)
 convert_element_type = prims.convert_element_type(mx_linear, torch.float32)
