@@ -21,6 +21,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 2
     name: str = ""
+    targets: tuple[str, ...] = ()  # backends to compile for ("cuda", "hip"); empty = every target
 
     def label(self) -> str:
         return self.name or getattr(self.kernel, "__name__", repr(self.kernel))

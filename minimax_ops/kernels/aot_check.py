@@ -10,9 +10,11 @@ run through the real compiler (``triton.compile(ASTSource(...), target=GPUTarget
 a cubin (CUDA) or hsaco (HIP). The Triton interpreter replaces ``@triton.jit`` functions, so this
 must run with TRITON_INTERPRET unset (it re-executes itself without it).
 
-Coverage: every ``@triton.jit`` function defined in a kernel module must either be listed in some
-spec or be called (directly or transitively) by a listed kernel; anything else is reported as
-UNCOVERED and fails the check. Prints one line per (spec, target) and exits 1 on any failure.
+Coverage: every ``@triton.jit`` function defined in a kernel module must be listed in some spec or
+be called (directly or transitively) by a listed kernel; anything else is UNCOVERED and fails the
+check. After compiling, helpers that no compile actually generated (read from the initial IR: they
+sit behind constexpr branches no spec takes, e.g. interpreter-only code) are listed as NOTEs.
+Prints one line per (spec, target) and exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import json
 import multiprocessing
 import os
 import pkgutil
+import re
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
 PACKAGE = "minimax_ops.kernels"
@@ -45,6 +48,7 @@ class Result:
     ok: bool
     error: str = ""
     seconds: float = 0.0
+    functions: list[str] = field(default_factory=list)  # symbols in the initial IR (kernel + helpers)
 
 
 # ---- discovery --------------------------------------------------------------------------------------------
@@ -131,6 +135,11 @@ class ModuleSpecs:
     specs: list  # list[KernelSpec]
     jit: dict  # name -> JITFunction defined in the module
     error: str = ""  # import or aot_specs() failure
+    module: str = ""  # import name, when not f"{PACKAGE}.{name}"
+
+    @property
+    def import_name(self) -> str:
+        return self.module or f"{PACKAGE}.{self.name}"
 
 
 def load(name: str) -> ModuleSpecs:
@@ -149,10 +158,24 @@ def load(name: str) -> ModuleSpecs:
 
 
 def uncovered(loaded: list[ModuleSpecs]) -> list[str]:
-    """'module.function' for every @triton.jit function no spec compiles, directly or as a callee."""
+    """Source estimate: 'module.function' for every @triton.jit function that is neither listed in a
+    spec nor called, directly or transitively, by a listed kernel."""
     listed = [unwrap(s.kernel) for m in loaded for s in m.specs]
     covered = reachable([k for k in listed if k is not None])
     return [f"{m.name}.{name}" for m in loaded for name, fn in m.jit.items() if id(fn) not in covered]
+
+
+def not_compiled(loaded: list[ModuleSpecs], results: list[Result]) -> list[str]:
+    """'module.function' for every @triton.jit function that no successful compile generated code for.
+    Helpers appear in the IR as '<module>.<name>__<specialisation>', kernels by their bare name."""
+    by_name = {m.name: m for m in loaded}
+    done = set()
+    for r in results:
+        if r.ok and r.module in by_name:
+            done.add(f"{by_name[r.module].import_name}.{r.kernel}")
+            done.update(r.functions)
+    return [f"{m.name}.{name}" for m in loaded for name in m.jit
+            if not any(d == f"{m.import_name}.{name}" or d.startswith(f"{m.import_name}.{name}__") for d in done)]
 
 
 # ---- compilation ------------------------------------------------------------------------------------------
@@ -160,6 +183,12 @@ def uncovered(loaded: list[ModuleSpecs]) -> list[str]:
 
 def target_label(target: tuple) -> str:
     return f"{target[0]}:{target[1]}"
+
+
+def spec_wants(spec, target: tuple) -> bool:
+    """A spec may name its targets (``targets = ("cuda",)`` for a CUDA-only PTX path); default: all."""
+    wanted = getattr(spec, "targets", None)
+    return not wanted or any(w in target_label(target) for w in wanted)
 
 
 def full_signature(spec) -> dict[str, str]:
@@ -191,7 +220,11 @@ def constexpr_values(spec) -> dict[str, object]:
     return values
 
 
-def compile_spec(spec, target: tuple) -> None:
+_IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
+
+
+def compile_spec(spec, target: tuple) -> list[str]:
+    """Compile down to the target's binary; returns the function symbols of the initial IR."""
     import triton
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
@@ -202,6 +235,28 @@ def compile_spec(spec, target: tuple) -> None:
     binary = "cubin" if target[0] == "cuda" else "hsaco"
     if not compiled.asm.get(binary):
         raise RuntimeError(f"compiled without producing a {binary}")
+    return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or ""))
+
+
+class CapturedStderr:
+    """Collects what native code (LLVM, lld, ptxas) writes to fd 2 while compiling: on HIP the
+    assembler's reason for a failure goes there and the Python exception only says "link failed"."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile(mode="w+b")
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        self.text = self.file.read().decode(errors="replace").strip()
+        self.file.close()
+        return False
 
 
 _LOADED: dict[str, ModuleSpecs] = {}
@@ -215,20 +270,27 @@ def run_one(module: str, index: int, target: tuple) -> Result:
     kernel = unwrap(spec.kernel)
     result = Result(module, spec.label(), getattr(kernel, "__name__", "?"), target_label(target), False)
     start = time.perf_counter()
+    captured = CapturedStderr()
     try:
-        compile_spec(spec, target)
+        with captured:
+            result.functions = compile_spec(spec, target)
         result.ok = True
     except Exception as e:
-        text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        result.error = text or type(e).__name__
+        text = "".join(traceback.format_exception_only(type(e), e)).strip() or type(e).__name__
+        native = getattr(captured, "text", "")
+        result.error = f"{native}\n{text}" if native else text
     result.seconds = time.perf_counter() - start
     return result
 
 
 def one_line(error: str) -> str:
+    """The most telling line: an LLVM/assembler 'error:' if there is one, else the last line
+    (Triton's CompilationError puts the source excerpt first and the reason last)."""
     lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
-    # Triton's CompilationError puts the source excerpt first and the reason last.
-    return (lines[-1] if lines else "")[:240]
+    native = [ln for ln in lines if ln.startswith("error:") or ": error:" in ln]
+    if native:
+        return native[0][:240]
+    return lines[-1][:240] if lines else ""
 
 
 # ---- command line -----------------------------------------------------------------------------------------
@@ -265,19 +327,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--target {args.target} matches none of {[target_label(t) for t in TARGETS]}")
     tasks = [(m.name, i, t) for m in loaded for i, s in enumerate(m.specs)
              if not args.kernel or args.kernel in s.label() or args.kernel in getattr(unwrap(s.kernel), "__name__", "")
-             for t in targets]
-    missing = uncovered(loaded)
+             for t in targets if spec_wants(s, t)]
     broken = [m for m in loaded if m.error]
+    missing = uncovered(loaded)
 
     for m in loaded:
         jit_names = ", ".join(m.jit) or "-"
         print(f"module {m.name}: {len(m.specs)} specs; @triton.jit: {jit_names}" + (f"  [{m.error}]" if m.error else ""))
     if args.list:
-        for name, i, t in tasks[::len(targets)]:
+        for name, i in dict.fromkeys((name, i) for name, i, _ in tasks):
             s = _LOADED[name].specs[i]
+            only = [target_label(t) for t in targets if spec_wants(s, t)]
             print(f"  {name}.{s.label()}  kernel={getattr(unwrap(s.kernel), '__name__', '?')}  "
-                  f"num_warps={s.num_warps} num_stages={s.num_stages} constexprs={s.constexprs}")
-        print(f"{len(tasks) // len(targets)} specs x {len(targets)} targets = {len(tasks)} compiles")
+                  f"num_warps={s.num_warps} num_stages={s.num_stages} constexprs={s.constexprs}"
+                  + ("" if len(only) == len(targets) else f"  targets={only}"))
+        print(f"{len({(n, i) for n, i, _ in tasks})} specs, {len(tasks)} compiles over {len(targets)} targets")
     for u in missing:
         print(f"UNCOVERED {u}: not in any aot_specs() and not called by a listed kernel")
     if args.list:
@@ -303,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         pool.shutdown()
 
     failed = [r for r in results if not r.ok]
+    # With --kernel only some specs ran, so "never generated" would say nothing.
+    unused = [] if args.kernel else [n for n in not_compiled(loaded, results) if n not in missing]
+    for u in unused:
+        print(f"NOTE {u}: called in the source, but no successful compile generated it "
+              "(behind constexpr branches no spec takes, or its kernel failed)")
     for r in failed:
         print(f"\n---- {r.target} {r.module}.{r.name}\n{r.error[-3000:]}")
     for m in broken:
@@ -312,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
           f"ok per target: {per_target}; {len(missing)} uncovered; {len(broken)} broken modules")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": [asdict(r) for r in results], "uncovered": missing,
+            json.dump({"results": [asdict(r) for r in results], "uncovered": missing, "never_generated": unused,
                        "broken": {m.name: m.error for m in broken}, "targets": [target_label(t) for t in targets],
                        "modules": {m.name: sorted(m.jit) for m in loaded}}, f, indent=1)
     return 1 if failed or missing or broken else 0
