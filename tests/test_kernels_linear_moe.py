@@ -16,7 +16,7 @@ from minimax_ops import reference as ref
 from minimax_ops.formats import E2M1_VALUES, dequantize, quantize
 from minimax_ops.kernels import moe as moe_kernels
 from minimax_ops.kernels import mx_linear as lin
-from minimax_ops.kernels.moe import moe_experts, route
+from minimax_ops.kernels.moe import ExpertTiles, RouterConfig, moe_experts, route
 from minimax_ops.kernels.mx_linear import GemvConfig, mx_linear, prepare_weight
 
 FORMATS = ["bf16", "mxfp8", "mxfp4", "mxfp4p"]  # mxfp4p: MXFP4 in the kernel layout
@@ -93,6 +93,30 @@ def test_tile_configs_agree(fmt, device):
         assert torch.equal(y, mx_linear(x, kw, ks, out_dtype=torch.float32, config=cfg)), "not deterministic"
 
 
+def _counters_clear(device) -> bool:
+    """The fused split-K reductions leave their arrival counters at zero for the next launch."""
+    buf = lin._COUNTERS.get(torch.device(device))
+    return buf is None or not buf.any().item()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4p"])
+def test_split_reduce_modes_and_chunks(fmt, device):
+    """Fused split-K (last program sums) and the two-launch reduce agree with the reference and
+    with each other bit for bit (same order); K chunks per step change nothing numerically."""
+    torch.manual_seed(2)
+    (w, s), (kw, ks) = make_weight(40, 256, fmt, device)
+    x = torch.randn(5, 256, device=device).bfloat16()
+    want = ref.linear(x, w, s)
+    outs = []
+    for cfg in (GemvConfig(16, 16, 32, split_k=3, fused_reduce=True), GemvConfig(16, 16, 32, split_k=3, fused_reduce=False),
+                GemvConfig(16, 32, 32, split_k=2, k_chunks=2), GemvConfig(16, 32, 64, split_k=4, k_chunks=4)):
+        y = mx_linear(x, kw, ks, out_dtype=torch.float32, config=cfg)
+        assert rel_err(y, want) < 1e-5, cfg
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    assert _counters_clear(device)
+
+
 def test_prepare_weight_layouts(device):
     (w, s), _ = make_weight(8, 64, "mxfp4", device, lead=(3,))
     pw, ps = prepare_weight(w, s)
@@ -143,6 +167,25 @@ def test_route(n, experts, top_k, device):
     ref_weights, ref_ids = ref.route(h, gate, bias, top_k, 2.0)
     assert torch.equal(ids.long().sort(-1).values, ref_ids.long().sort(-1).values)
     torch.testing.assert_close(weights.sort(-1).values, ref_weights.sort(-1).values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_route_modes_agree(n, device):
+    """Every logits mode (fp32 FMA dot, 3xTF32 on NVIDIA, multiply + row sums) and both top-k
+    placements (last logits program / one program per token) pick the reference's experts; 20
+    tokens take two 16-token tiles."""
+    torch.manual_seed(20 + n)
+    h = torch.randn(n, 64, device=device).bfloat16()
+    gate = torch.randn(128, 64, device=device) * 0.3
+    bias = torch.randn(128, device=device) * 0.05
+    want_w, want_ids = ref.route(h, gate, bias, 4, 2.0)
+    for logits in (0, 1, 2):
+        for fused in (True, False):
+            cfg = RouterConfig(16 if logits != 2 else 32, 32, 2, logits, fused)
+            weights, ids = route(h, gate, bias, 4, 2.0, config=cfg)
+            assert torch.equal(ids.long().sort(-1).values, want_ids.long().sort(-1).values), cfg
+            torch.testing.assert_close(weights.sort(-1).values, want_w.sort(-1).values, rtol=1e-4, atol=1e-5)
+    assert _counters_clear(device)
 
 
 def test_route_bias_changes_choice_only(device):
@@ -200,6 +243,44 @@ def test_moe_experts_matches_reference(fmt, n, shared, few, device):
     # Two bf16 roundings (the SwiGLU intermediate and the output; the interpreter truncates).
     assert rel_err(out, want) < 1.5e-2
     assert torch.equal(out, moe_experts(h, ids, weights, *ktable, *kextra, num_routed_experts=E))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_moe_split_and_chunked_tiles(fmt, device):
+    """H split of w13 (last program sums the partials, then SwiGLU), I split of w2 (the combine sums;
+    a split past I stores zeros) and K chunks, against the reference and the unsplit tiles."""
+    torch.manual_seed(11)
+    n = 5
+    h = torch.randn(n, H, device=device).bfloat16()
+    ids, weights = _routing(n, device, few_experts=True)
+    table, ktable = _tables(fmt, E + 1, device)
+    want = ref.moe_experts(h, ids, weights, *table, num_routed_experts=E)
+    plain = moe_experts(h, ids, weights, *ktable, num_routed_experts=E,
+                        tiles=(ExpertTiles(16, 32), ExpertTiles(32, 32)))
+    for t13, t2 in ((ExpertTiles(16, 32, split=2), ExpertTiles(32, 32, split=2)),
+                    (ExpertTiles(16, 32, k_chunks=2), ExpertTiles(16, 32, split=3)),
+                    (ExpertTiles(32, 32, split=2, k_chunks=1), ExpertTiles(64, 32, k_chunks=2))):
+        out = moe_experts(h, ids, weights, *ktable, num_routed_experts=E, tiles=(t13, t2))
+        assert rel_err(out, want) < 1.5e-2, (t13, t2)
+        assert rel_err(out, plain) < 1e-2, (t13, t2)
+    assert _counters_clear(device)
+
+
+def test_moe_shared_expert_of_other_size(device):
+    """A separate shared expert with its own intermediate size joins the routed launches (same
+    format) or runs in its own launches (other format, here with w2 split over I)."""
+    torch.manual_seed(12)
+    n = 3
+    h = torch.randn(n, H, device=device).bfloat16()
+    ids, weights = _routing(n, device, few_experts=False)
+    table, ktable = _tables("mxfp8", E, device)
+    for shared_fmt in ("mxfp8", "bf16"):
+        (sw13, ss13), _ = make_weight(2 * 64, H, shared_fmt, device)  # Is = 64, I = 32
+        (sw2, ss2), _ = make_weight(H, 64, shared_fmt, device)
+        want = ref.moe_experts(h, ids, weights, *table, sw13, ss13, sw2, ss2, num_routed_experts=E)
+        for tiles in (None, (ExpertTiles(16, 32), ExpertTiles(32, 32, split=2))):
+            out = moe_experts(h, ids, weights, *ktable, sw13, ss13, sw2, ss2, num_routed_experts=E, tiles=tiles)
+            assert rel_err(out, want) < 1.5e-2, (shared_fmt, tiles)
 
 
 def test_moe_padding_rows_and_invalid_ids(device):

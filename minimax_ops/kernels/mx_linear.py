@@ -13,8 +13,15 @@ Decode is bound by reading the weights once, so the kernel is built around that 
   masked off, so they cost no memory traffic) and multiplied on tensor cores in bf16 with fp32
   accumulation, weights as the A operand (wgmma on Hopper): 1..16 tokens cost the same per value.
 - Where N alone gives too few programs to keep all SMs streaming, K is split; the splits write fp32
-  partials that a second small kernel sums in a fixed order (deterministic, no float atomics).
+  partials and the last split program of each output tile to finish (an int32 arrival counter,
+  ``_last_arrival``) sums them in a fixed order: deterministic, no float atomics, one launch.
+  (Without counters, e.g. first call inside a CUDA-graph capture, ``_splitk_reduce_kernel`` sums.)
 All loads of the K loop (x, weights, scales) are software-pipelined (cp.async) by Triton.
+Measured on an H200 (benchmarks/sweep_kernels.py): MXFP8 qkv / o_proj at 1..16 tokens stream
+~2.1-2.3 TB/s (50-53% of copy). A pure read of the same tile pattern (64 rows x 256 B per step)
+reaches 3.3 TB/s, 128 B per row per step (MXFP4 tiles) only 2.1 TB/s: the rest is the decode +
+MMA loop (~5.9 SASS instructions per fp8 value at ~12 resident warps per SM), and for MXFP4 also
+the short per-row bursts.
 
 Weight layouts (K = reduction dim, scale groups of 32 along K):
 - bf16 [N, K]; MXFP8 float8_e4m3fn [N, K] + uint8 [N, K/32];
@@ -211,10 +218,13 @@ def _mma(acc, x, w, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
 @triton.jit
 def _stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
                  FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[:, k] @ dequant(W[:, k])^T over k in [k_begin, k_begin + n_iters*BLOCK_K).
+                 SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[:, k] @ dequant(W[:, k])^T over k in [k_begin, k_begin + n_iters*STEP),
+    STEP = K_CHUNKS * BLOCK_K: each loop step loads K_CHUNKS consecutive [BLOCK_N, BLOCK_K] tiles
+    (so every weight row is read in runs of STEP values: fewer, longer DRAM bursts per row) and
+    multiplies them one after the other (registers of one tile).
 
-    x_rows [BLOCK_M] / w_rows, s_rows [BLOCK_N]: row base pointers; k_begin a multiple of BLOCK_K.
+    x_rows [BLOCK_M] / w_rows, s_rows [BLOCK_N]: row base pointers; k_begin a multiple of STEP.
     W rows are bf16 elements, int32 words of an MX format, or MXFP4 bytes with PTX."""
     if FMT == 0:
         ROW_ELEMS: tl.constexpr = BLOCK_K
@@ -231,12 +241,13 @@ def _stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _ in range(n_iters):
-        x = tl.load(x_ptrs, mask=x_mask[:, None], other=0.0)
-        w = _load_weights(w_ptrs, s_ptrs, FMT, BLOCK_N, BLOCK_K, DOT_FP32, PTX)
-        acc = _mma(acc, x, w, SWAP_AB, DOT_FP32)
-        x_ptrs += BLOCK_K
-        w_ptrs += ROW_ELEMS
-        s_ptrs += GROUPS
+        for c in tl.static_range(K_CHUNKS):
+            x = tl.load(x_ptrs + c * BLOCK_K, mask=x_mask[:, None], other=0.0)
+            w = _load_weights(w_ptrs + c * ROW_ELEMS, s_ptrs + c * GROUPS, FMT, BLOCK_N, BLOCK_K, DOT_FP32, PTX)
+            acc = _mma(acc, x, w, SWAP_AB, DOT_FP32)
+        x_ptrs += K_CHUNKS * BLOCK_K
+        w_ptrs += K_CHUNKS * ROW_ELEMS
+        s_ptrs += K_CHUNKS * GROUPS
     if SWAP_AB:
         acc = tl.trans(acc)
     return acc
@@ -244,14 +255,45 @@ def _stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
 
 # ---- kernels ---------------------------------------------------------------------------------------------
 
+# Split-K modes (the SPLIT_MODE constexpr): one split stores y directly; PARTIALS stores fp32
+# partials [split, M, N] for ``_splitk_reduce_kernel``; FUSED also stores partials, and the last of
+# a tile's split programs to finish sums them (see ``_last_arrival``), so no second launch.
+SPLIT_NONE, SPLIT_PARTIALS, SPLIT_FUSED = 0, 1, 2
+
 
 @triton.jit
-def _mx_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
-                      M, N, iters_total, iters_per_split,
-                      stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
+def _last_arrival(cnt_ptr, expected):
+    """Counts this program in at cnt_ptr; True for the last of `expected` programs, which also
+    resets the count to 0 for the next launch. The barrier orders every thread's earlier stores
+    before the release; the acquire makes the other programs' stores visible to the last one
+    (which must then read them with cache_modifier=".cg": L1 is not coherent)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == expected - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _sum_splits(part_ptrs, mask, split_stride, n_split, SPLIT_POW2: tl.constexpr):
+    """sum over s < n_split of (part_ptrs + s * split_stride)[mask], added in the order s = 0, 1, ...
+    (deterministic); unrolled up to SPLIT_POW2 so the loads can all be in flight at once."""
+    acc = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_POW2):
+        acc += tl.load(part_ptrs + s * split_stride, mask=mask & (s < n_split), other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def _mx_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+                      M, N, iters_total, iters_per_split, n_split,
+                      stride_xm, stride_wn, stride_sn, stride_om,
                       FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr):
-    """Grid (N tiles, K splits, M tiles). out is y [M, N] (one split) or fp32 partials [split, M, N]."""
+                      SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr,
+                      SPLIT_MODE: tl.constexpr, SPLIT_POW2: tl.constexpr):
+    """Grid (N tiles, K splits, M tiles). y [M, N] = out; fp32 partials [n_split, M, N] = part.
+    iters_* count steps of K_CHUNKS * BLOCK_K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -262,21 +304,28 @@ def _mx_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr,
     it_begin = pid_k * iters_per_split
     n_iters = tl.minimum(iters_per_split, iters_total - it_begin)
     acc = _stream_rows(x_ptr + offs_m.to(tl.int64) * stride_xm, offs_m < M,
-                       w_ptr + rows * stride_wn, s_ptr + rows * stride_sn, it_begin * BLOCK_K, n_iters,
-                       FMT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, DOT_FP32, PTX)
-    out_ptrs = (out_ptr + pid_k.to(tl.int64) * stride_osplit + offs_m.to(tl.int64)[:, None] * stride_om
-                + offs_n[None, :])
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+                       w_ptr + rows * stride_wn, s_ptr + rows * stride_sn, it_begin * (K_CHUNKS * BLOCK_K), n_iters,
+                       FMT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, DOT_FP32, PTX, K_CHUNKS)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_MODE == 0:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mn = (tl.zeros([], dtype=tl.int64) + M) * N  # (M may be a specialised constant 1)
+        part_ptrs = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k * mn, acc, mask=mask)
+        if SPLIT_MODE == 2:
+            if _last_arrival(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, n_split):
+                total = _sum_splits(part_ptrs, mask, mn, n_split, SPLIT_POW2)
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, total, n_split, BLOCK: tl.constexpr):
-    """out[i] = sum over splits s = 0, 1, ... of part[s, i] (fixed order), for contiguous [M, N]."""
+def _splitk_reduce_kernel(part_ptr, out_ptr, total, n_split, BLOCK: tl.constexpr, SPLIT_POW2: tl.constexpr):
+    """out[i] = sum over splits of part[s, i] (fixed tree order), for contiguous [M, N]."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(n_split):
-        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    acc = _sum_splits(part_ptr + offs, mask, total, n_split, SPLIT_POW2)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -376,6 +425,30 @@ class GemvConfig:
     num_stages: int = 3
     swap_ab: bool = True  # weights as the MMA's A operand: wgmma on Hopper, fewer register moves
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever use_ptx(device) allows
+    fused_reduce: bool = True  # split-K: the last split program of a tile sums the partials
+    k_chunks: int = 1  # BLOCK_K tiles per K-loop step (longer runs of each weight row per step)
+
+
+# ---- split-K arrival counters ------------------------------------------------------------------------------
+
+COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters for the fused split-K reductions (``_last_arrival``), one
+    buffer per device, left zeroed by every launch that uses it. None (use a separate reduce
+    launch) if more are needed than exist, if MINIMAX_OPS_NO_FUSED_SPLITK=1, or if the buffer does
+    not exist yet while a CUDA graph is being captured (it must be zeroed eagerly once).
+    Kernels that use it must not run concurrently on two streams of one device."""
+    if needed > COUNTER_SLOTS or os.environ.get("MINIMAX_OPS_NO_FUSED_SPLITK") == "1":
+        return None
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
 
 
 def mxfp4_ptx(fmt: int, cfg_ptx: bool | None, device: torch.device) -> bool:
@@ -385,14 +458,16 @@ def mxfp4_ptx(fmt: int, cfg_ptx: bool | None, device: torch.device) -> bool:
     return use_ptx(device) if cfg_ptx is None else cfg_ptx
 
 
-# Per format: (BLOCK_N, largest BLOCK_K, num_stages), from the sm_90 SASS of the K loop (4 warps,
-# weights as the wgmma A operand), in issued instructions per weight value: bf16 2.0, MXFP8 5.3,
-# MXFP4 kernel layout 3.45 (PTX) / 4.5 (portable), canonical MXFP4 4.5 (PTX) / 4.8; no spills
-# (MXFP4 at ~225 registers: 2 programs per SM). An H200 issues ~33 T instructions/s, i.e. ~7.9
-# per value at 4.25 TB/s of fp8 and ~3.9 of e2m1.
-_TILES = {FMT_BF16: (64, 128, 4), FMT_MXFP8: (64, 256, 3), FMT_MXFP4: (128, 256, 3),
-          FMT_MXFP4_PREPARED: (128, 256, 3)}
-_PROGRAMS_PER_SM = 4  # enough resident programs that wave tails stay small
+# Per format: (BLOCK_N, largest BLOCK_K, num_warps, num_stages, K chunks per step). MXFP8 from
+# benchmarks/sweep_kernels.py on an H200 (triton 3.6; qkv 9856x6144 and o_proj 6144x8192, M = 1..16:
+# 10 tiles x 6 splits, then K chunks 1-8); the others keep the SASS-derived tiles. Narrower K
+# (64-128) with more resident warps, 8 warps, and K chunks (longer bursts per row, but 2-4x the
+# shared memory) all measured slower than 64 x 256 x 3 stages split 4: wide per-row bursts matter
+# more than occupancy here.
+_TILES = {FMT_BF16: (64, 128, 4, 4, 1), FMT_MXFP8: (64, 256, 4, 3, 1), FMT_MXFP4: (128, 256, 4, 3, 1),
+          FMT_MXFP4_PREPARED: (128, 256, 4, 3, 1)}
+_PROGRAMS_PER_SM = 4  # K is split until this many programs stream per SM ...
+_MAX_SPLIT = 4  # ... but into at most this many parts (8 splits of o_proj measured 10% slower than 4)
 _MIN_ITERS_PER_SPLIT = 2
 
 
@@ -416,19 +491,23 @@ def block_m_for(m: int) -> int:
 
 
 def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemvConfig:
-    """Tiles for one GEMV: fixed per-format tile, K split until ~4 programs per SM stream."""
-    block_n, cap_k, stages = _TILES[fmt]
+    """Tiles for one GEMV: the format's tile, K split (at most _MAX_SPLIT ways) until ~4 programs
+    per SM stream."""
+    block_n, cap_k, warps, stages, chunks = _TILES[fmt]
     block_m = block_m_for(m)
     block_k = block_k_for(k, cap_k)
-    iters = k // block_k
+    while chunks > 1 and k % (block_k * chunks):
+        chunks //= 2
+    iters = k // (block_k * chunks)
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     target = _PROGRAMS_PER_SM * sms
     if tiles < target // 2:
         # Splits that divide the K steps evenly, each with at least a few steps.
-        options = [d for d in range(1, iters + 1) if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
+        options = [d for d in range(1, min(iters, _MAX_SPLIT) + 1)
+                   if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
         split = next((d for d in options if tiles * d >= target), options[-1])
-    return GemvConfig(block_m, block_n, block_k, split, num_warps=4, num_stages=stages)
+    return GemvConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=stages, k_chunks=chunks)
 
 
 # ---- wrapper ---------------------------------------------------------------------------------------------
@@ -483,20 +562,30 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     ptx = mxfp4_ptx(fmt, cfg.ptx, x.device)
     w = as_kernel_operand(weight, fmt, ptx=ptx)
     s = scale if scale is not None else w  # unused by the bf16 kernel; any pointer keeps it typed
-    iters = k // cfg.block_k
+    chunks = cfg.k_chunks
+    while chunks > 1 and k % (cfg.block_k * chunks):
+        chunks //= 2
+    iters = k // (cfg.block_k * chunks)
     iters_per_split = triton.cdiv(iters, max(1, min(cfg.split_k, iters)))
     split = triton.cdiv(iters, iters_per_split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    counters = split_counters(x.device, grid[0] * grid[2]) if split > 1 and cfg.fused_reduce else None
+    mode = SPLIT_NONE if split == 1 else SPLIT_FUSED if counters is not None else SPLIT_PARTIALS
+    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _mx_linear_kernel[grid](
-        x, w, s, target, m, n, iters, iters_per_split,
-        x.stride(0), w.stride(0), s.stride(0), out.stride(0), m * n if split > 1 else 0,
+        x, w, s, out, part, counters if counters is not None else part, m, n, iters, iters_per_split, split,
+        x.stride(0), w.stride(0), s.stride(0), out.stride(0),
         FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab,
-        DOT_FP32=x.device.type != "cuda", PTX=ptx, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, split, BLOCK=block, num_warps=4)
+        DOT_FP32=x.device.type != "cuda", PTX=ptx, K_CHUNKS=chunks, SPLIT_MODE=mode,
+        SPLIT_POW2=triton.next_power_of_2(split),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if mode == SPLIT_PARTIALS:
+        _splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            part, out, m * n, split, BLOCK=REDUCE_BLOCK, SPLIT_POW2=triton.next_power_of_2(split), num_warps=4)
     return out
+
+
+REDUCE_BLOCK = 512
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -506,39 +595,46 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
 AOT_SHAPES = [(1, 448, 64), (20, 192, 64), (1, 9856, 6144), (16, 24576, 6144)]
 
 
-def _linear_spec(fmt: int, cfg: GemvConfig, out_type: str, ptx: bool = False) -> KernelSpec:
+def _linear_spec(fmt: int, cfg: GemvConfig, split_mode: int, split_pow2: int, ptx: bool = False) -> KernelSpec:
     w_type = "*u8" if ptx else _POINTER_TYPES[fmt]
     return KernelSpec(
         _mx_linear_kernel,
-        {"x_ptr": "*bf16", "w_ptr": w_type, "s_ptr": "*u8" if fmt else "*bf16", "out_ptr": out_type,
-         "M": "i32", "N": "i32", "iters_total": "i32", "iters_per_split": "i32", "stride_xm": "i32",
-         "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32", "stride_osplit": "i32"},
+        {"x_ptr": "*bf16", "w_ptr": w_type, "s_ptr": "*u8" if fmt else "*bf16", "out_ptr": "*bf16",
+         "part_ptr": "*fp32" if split_mode else "*bf16", "cnt_ptr": "*i32" if split_mode == SPLIT_FUSED else "*fp32",
+         "M": "i32", "N": "i32", "iters_total": "i32", "iters_per_split": "i32", "n_split": "i32",
+         "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32"},
         {"FMT": fmt, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-         "SWAP_AB": cfg.swap_ab, "DOT_FP32": False, "PTX": ptx},
+         "SWAP_AB": cfg.swap_ab, "DOT_FP32": False, "PTX": ptx, "K_CHUNKS": cfg.k_chunks, "SPLIT_MODE": split_mode,
+         "SPLIT_POW2": split_pow2},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        name=f"mx_linear_{FORMAT_NAMES[fmt]}{'_ptx' if ptx else ''}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}"
-             f"_{out_type[1:]}")
+        name=f"mx_linear_{FORMAT_NAMES[fmt]}{'_ptx' if ptx else ''}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}x{cfg.k_chunks}"
+             f"_w{cfg.num_warps}s{cfg.num_stages}_split{split_mode}x{split_pow2}")
 
 
 def _linear_specs(ptx: bool) -> list[KernelSpec]:
+    """Every (format, shape) the heuristic picks; split launches in both reduce modes."""
     specs, seen = [], set()
     formats = (FMT_MXFP4, FMT_MXFP4_PREPARED) if ptx else (FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_PREPARED)
     for m, n, k in AOT_SHAPES:
         for fmt in formats:
             cfg = gemv_config(fmt, m, n, k)
-            out_type = "*fp32" if cfg.split_k > 1 else "*bf16"
-            key = (fmt, dataclasses.replace(cfg, split_k=1), out_type)
-            if key not in seen:
-                seen.add(key)
-                specs.append(_linear_spec(fmt, cfg, out_type, ptx))
+            iters = k // (cfg.block_k * cfg.k_chunks)
+            split = triton.cdiv(iters, triton.cdiv(iters, max(1, min(cfg.split_k, iters))))
+            modes = [SPLIT_NONE] if split == 1 else [SPLIT_FUSED, SPLIT_PARTIALS]
+            for mode in modes:
+                key = (fmt, dataclasses.replace(cfg, split_k=1), mode, triton.next_power_of_2(split))
+                if key not in seen:
+                    seen.add(key)
+                    specs.append(_linear_spec(fmt, cfg, mode, triton.next_power_of_2(split), ptx))
     return specs
 
 
 def aot_specs() -> list[KernelSpec]:
     """Portable specialisations (every target). The CUDA-only PTX ones are in ``aot_specs_cuda``."""
+    pows = sorted({int(spec.constexprs["SPLIT_POW2"]) for spec in _linear_specs(ptx=False)} | {2})
     return _linear_specs(ptx=False) + [KernelSpec(
         _splitk_reduce_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "total": "i32", "n_split": "i32"},
-        {"BLOCK": 1024}, num_warps=4, name="splitk_reduce_bf16")]
+        {"BLOCK": REDUCE_BLOCK, "SPLIT_POW2": p}, num_warps=4, name=f"splitk_reduce_bf16_x{p}") for p in pows if p > 1]
 
 
 def aot_specs_cuda() -> list[KernelSpec]:
