@@ -1,0 +1,56 @@
+"""The fused ops through the Triton kernels under the interpreter (CPU, tiny sizes): what CI can run of
+the GPU path. Needs TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA) and
+MINIMAX_OPS_CPU_KERNELS=1 (set here), so backend.use_kernels routes CPU tensors to the kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minimax_ops.cache import allocate_caches, build_step
+from minimax_ops.config import preset
+from minimax_ops.model import MiniMaxM3DecoderLayer
+from minimax_ops.reference_model import layer_forward
+from minimax_ops.weights import random_layer_weights
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter-only test (GPU runs the kernels in test_gpu.py)")
+
+
+@pytest.mark.parametrize("layer_idx,fmts,kv_dtype", [(1, ("mxfp8", "mxfp4"), torch.float8_e4m3fn),
+                                                     (0, ("bf16", "bf16"), torch.bfloat16)])
+def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, layer_idx, fmts, kv_dtype):
+    monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
+    from minimax_ops.kernels import mx_linear as mx_linear_module
+    calls = []
+    real_kernel = mx_linear_module.mx_linear
+    monkeypatch.setattr(mx_linear_module, "mx_linear", lambda *a, **k: calls.append(1) or real_kernel(*a, **k))
+    cfg = preset("tiny")
+    g = torch.Generator().manual_seed(11)
+    w = random_layer_weights(cfg, layer_idx, linear_format=fmts[0], expert_format=fmts[1], generator=g)
+    caches = allocate_caches(cfg, 16, kv_dtype=kv_dtype, index_dtype=kv_dtype, generator=g)
+    cache = caches[layer_idx]
+    meta = build_step([40, 9], 2, block_size=cfg.sparse_block_size, num_blocks=16, pad_requests=1, generator=g)
+    x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    layer = MiniMaxM3DecoderLayer(cfg, w, layer_idx)
+    ref_cache = cache.clone()
+    want, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
+    out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)
+    assert calls, "the fused op did not run the Triton kernels"
+    real = meta.num_tokens - 2  # the padding request's two rows
+    rel = ((out[:real].float() - want[:real]).norm() / want[:real].norm()).item()
+    assert torch.isfinite(out).all() and rel < 3e-2
+    assert ((out_res[:real].float() - want_res[:real]).norm() / want_res[:real].norm()).item() < 1e-2
+    # Written slots within a cache-dtype rounding step (the interpreter truncates fp32 -> bf16), the rest untouched.
+    slots = meta.slot_mapping[meta.slot_mapping >= 0]
+    bs = cfg.sparse_block_size
+    untouched = torch.ones(cache.kv.shape[0] * bs, dtype=torch.bool)
+    untouched[slots] = False
+    kv_rows = cache.kv.permute(0, 2, 1, 3).reshape(-1, cache.kv.shape[1], cache.kv.shape[3])
+    ref_rows = ref_cache.kv.permute(0, 2, 1, 3).reshape(-1, cache.kv.shape[1], cache.kv.shape[3])
+    assert torch.equal(kv_rows[untouched].view(torch.uint8), ref_rows[untouched].view(torch.uint8))
+    written = ((kv_rows[slots].float() - ref_rows[slots].float()).norm() / ref_rows[slots].float().norm()).item()
+    assert written < (6e-2 if kv_dtype == torch.float8_e4m3fn else 1e-2)
