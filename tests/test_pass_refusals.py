@@ -7,11 +7,11 @@ compile ranges) and its step guards on FakeTensor metadata.
 from __future__ import annotations
 
 import copy
-import logging
 import pickle
 from types import SimpleNamespace
 
 import pytest
+from conftest import minimax_reasons
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,7 +22,6 @@ from graph_passes.decode_layer_patterns import PATTERNS
 from graph_passes.fx_utils import arg, op_of
 from graph_passes.guards import step_refusal
 from minimax_ops.constants import MAX_CONTEXT, MAX_TOKENS
-from minimax_ops.log import reset_log_once
 from minimax_ops.model import MiniMaxM3ForCausalLM
 
 FUSED = ("minimax.fused_dense_decode_layer", "minimax.fused_decode_layer")
@@ -32,13 +31,11 @@ CONTEXTS_17 = [3, 17, 40, 9, 31, 16, 5, 22, 48, 1, 12, 33, 27, 8, 45, 15, 30]
 
 
 @pytest.fixture(autouse=True)
-def fresh_log(caplog):
-    reset_log_once()
-    caplog.set_level(logging.INFO, logger="minimax_ops")
+def fresh_log(minimax_log):
+    return minimax_log
 
 
-def _reasons(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "minimax_ops"]
+_reasons = minimax_reasons
 
 
 def _run(graph_pass, context_lens, query_lens, *, seed, dynamic=False, **step):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import pickle
 import sys
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import pytest
+from conftest import minimax_reasons
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -35,7 +35,6 @@ from graph_passes.guards import step_refusal
 from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import preset
 from minimax_ops.constants import MAX_CONTEXT, MAX_TOKENS
-from minimax_ops.log import reset_log_once
 from minimax_ops.ops import fused as fused_ops
 from minimax_ops.reference_model import model_forward
 from minimax_ops.weights import random_model_weights
@@ -92,13 +91,11 @@ def isolated_caches(vllm, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def fresh_log(caplog):
-    reset_log_once()
-    caplog.set_level(logging.INFO, logger="minimax_ops")
+def fresh_log(minimax_log):
+    return minimax_log
 
 
-def _reasons(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "minimax_ops"]
+_reasons = minimax_reasons
 
 
 # ---- building VllmConfigs ------------------------------------------------------------------------------

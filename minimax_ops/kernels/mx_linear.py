@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ..constants import MX_BLOCK
 from .aot import KernelSpec
+from .norm import check_rows
 
 # Weight format codes: the kernels' FMT constexpr.
 FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_PREPARED = 0, 1, 2, 3
@@ -513,15 +514,6 @@ def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Gem
 # ---- wrapper ---------------------------------------------------------------------------------------------
 
 
-def _check_x(x: torch.Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x: expected a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError(f"x: the K dimension must be contiguous, got strides {tuple(x.stride())}")
-
-
 def check_scale(name: str, scale: torch.Tensor | None, shape: tuple[int, ...], fmt: int) -> None:
     if fmt == FMT_BF16:
         return
@@ -538,7 +530,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     weight: bf16 [N, K]; MXFP8 float8_e4m3fn [N, K] + uint8 scale [N, K/32]; MXFP4 uint8 [N, K/2]
     + scale, or its kernel layout int32 [N, K/8] (``prepare_weight``) + scale. ``config`` overrides
     the tile heuristic (tuning, tests)."""
-    _check_x(x)
+    check_rows("x", x, shape="[M, K]", dim="K")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [N, K] tensor, got shape {tuple(weight.shape)}")
     fmt = kernel_format(weight, scale)

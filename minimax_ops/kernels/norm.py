@@ -38,15 +38,17 @@ def _num_warps(block_h: int) -> int:
     return max(1, min(16, block_h // 512))
 
 
-def _check_rows(name: str, t: torch.Tensor, hidden: int | None = None) -> None:
+def check_rows(name: str, t: torch.Tensor, width: int | None = None, *, shape: str = "[tokens, hidden]",
+               dim: str = "hidden") -> None:
+    """A bf16 2-D activation whose last dimension is contiguous (shared by the kernel wrappers)."""
     if t.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D [tokens, hidden] tensor, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: expected a 2-D {shape} tensor, got shape {tuple(t.shape)}")
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{name}: expected dtype torch.bfloat16, got {t.dtype}")
     if t.stride(1) != 1:
-        raise ValueError(f"{name}: the hidden dimension must be contiguous, got strides {t.stride()}")
-    if hidden is not None and t.shape[1] != hidden:
-        raise ValueError(f"{name}: expected hidden size {hidden}, got {t.shape[1]}")
+        raise ValueError(f"{name}: the {dim} dimension must be contiguous, got strides {tuple(t.stride())}")
+    if width is not None and t.shape[1] != width:
+        raise ValueError(f"{name}: expected {dim} size {width}, got {t.shape[1]}")
 
 
 def _check_weight(weight: torch.Tensor, hidden: int) -> None:
@@ -62,9 +64,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
     x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
     """
-    _check_rows("x", x)
+    check_rows("x", x)
     n, hidden = x.shape
-    _check_rows("residual", residual, hidden)
+    check_rows("residual", residual, hidden)
     if residual.shape[0] != n:
         raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
     _check_weight(weight, hidden)
@@ -81,7 +83,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gemma_rmsnorm(x, weight) for bf16 x [n, H] -> bf16 [n, H] (the final norm)."""
-    _check_rows("x", x)
+    check_rows("x", x)
     n, hidden = x.shape
     _check_weight(weight, hidden)
     h = torch.empty_like(x)
