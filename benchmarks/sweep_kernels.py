@@ -98,7 +98,7 @@ def pattern_jobs():
 # ---- grids -------------------------------------------------------------------------------------------------
 
 def lin_grid(quick: bool):
-    from minimax_ops.kernels.mx_linear import GemvConfig
+    from minimax_ops.kernels.tiles import GemvConfig
     # (BLOCK_N, BLOCK_K, warps, stages, K chunks per step): the old tile, then longer runs per row.
     tiles = [(64, 256, 4, 3, 1), (64, 256, 4, 2, 2), (64, 256, 4, 2, 4), (64, 128, 4, 2, 4), (64, 128, 4, 3, 4),
              (64, 128, 4, 2, 8), (128, 128, 4, 2, 4), (128, 128, 8, 2, 4), (64, 256, 8, 2, 4), (128, 256, 8, 2, 2)]
@@ -116,7 +116,7 @@ OLD_LIN = dict(block_m=16, block_n=64, block_k=256, split_k=4, num_warps=4, num_
 
 def moe_grid(fmt: str, which: str, quick: bool):
     """ExpertTiles candidates for one kernel (w13: block_n = gate rows = weight rows / 2)."""
-    from minimax_ops.kernels.moe import ExpertTiles
+    from minimax_ops.kernels.tiles import ExpertTiles
     # (weight rows per program, BLOCK_K, warps, stages, K chunks per step). Runs 1-2 swept 4-8 warp
     # tiles of 64-256 rows x 64-256 values and K chunks 1-8 (see the report); this grid tries wider
     # MXFP4 rows (512 values = 256 bytes per row per step) against the encoded tiles.
@@ -134,13 +134,13 @@ def moe_grid(fmt: str, which: str, quick: bool):
 
 
 def default_moe_tiles(fmt_code: int, n: int):
-    from minimax_ops.kernels import moe
+    from minimax_ops.kernels import tiles as moe
     slots = min(E, n * TOPK) + 1
     return (moe.expert_tiles(fmt_code, H, 2 * I, slots, True, 132), moe.expert_tiles(fmt_code, I, H, slots, False, 132))
 
 
 def route_grid(quick: bool):
-    from minimax_ops.kernels.moe import RouterConfig
+    from minimax_ops.kernels.tiles import RouterConfig
     out = []
     for logits in (2, 1, 0):
         for be, bh, split in ((16, 128, 12), (16, 128, 24), (32, 128, 48), (16, 256, 6), (32, 256, 24), (8, 128, 12)):
@@ -239,7 +239,7 @@ def call(job: dict, env: Env, rep: int):
     if job["kind"] == "pattern":
         return pattern_call(job, env, rep)
     if job["kind"] == "route":
-        from minimax_ops.kernels.moe import route
+        from minimax_ops.kernels.router import route
         gate, bias = env.gate(rep)
         return route(env.h(job["n"]), gate, bias, TOPK, 2.0, config=job["cfg"])
     raise ValueError(job["kind"])
@@ -324,7 +324,7 @@ class Runner:
             w, s = env.lin(n, k, 0)
             return ("lin", job["shape"], job["m"]), lambda: env.x(job["m"], k).float() @ dequantize(w, s).T
         if job["kind"] == "moe":
-            from minimax_ops.kernels.moe import ExpertTiles
+            from minimax_ops.kernels.tiles import ExpertTiles
             code = FMT_CODES[job["fmt"]]
             safe = dataclasses.replace(default_moe_tiles(code, job["n"])[0], split=1), \
                 dataclasses.replace(default_moe_tiles(code, job["n"])[1], split=1)
@@ -381,7 +381,7 @@ def label_lin(shape, m, cfg):
 
 
 def lin_jobs(tokens, quick):
-    from minimax_ops.kernels.mx_linear import GemvConfig
+    from minimax_ops.kernels.tiles import GemvConfig
     jobs = []
     for shape in LIN_SHAPES:
         for m in tokens:
@@ -636,12 +636,12 @@ def main(argv=None) -> int:
 
 
 def _gemv(d):
-    from minimax_ops.kernels.mx_linear import GemvConfig
+    from minimax_ops.kernels.tiles import GemvConfig
     return GemvConfig(**d)
 
 
 def _tiles(d):
-    from minimax_ops.kernels.moe import ExpertTiles
+    from minimax_ops.kernels.tiles import ExpertTiles
     return ExpertTiles(**d)
 
 

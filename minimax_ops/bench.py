@@ -9,7 +9,10 @@ Per (expert format, tokens, context) it times, from CUDA-graph replay, the fused
 and o_proj weights, the router, the distinct experts the step's tokens chose plus the shared expert,
 the KV rows of the blocks each (request, kv head) selected, the index keys of every request, and
 activations. Achieved TB/s is bytes / fused time; % is against a device-to-device copy measured in
-the same run. Requests have query_len 1 (one token each), fp8 KV and index caches.
+the same run. Requests have query_len 1 (one token each), fp8 KV and index caches. Weights are in
+the tiled layouts a deployment loads (weights.to_kernel_layout; ``--layout canonical`` keeps the
+checkpoint's), the same for the fused op and the unfused chain; "launches" counts the kernels one
+fused call runs (profiler). MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
-from .weights import random_layer_weights
+from .weights import random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
 
@@ -65,6 +68,20 @@ def _time(fn, *, graph: bool, iters: int = 30, reps: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
     return statistics.median(times)
+
+
+def kernel_launches(fn) -> int | None:
+    """GPU kernels one call of fn launches (memory copies and fills excluded); None without a profiler."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA
+                   and not any(w in e.name.lower() for w in ("memcpy", "memset")))
+    except Exception:  # noqa: BLE001 (a missing CUPTI only loses the column)
+        return None
 
 
 def step_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, topk_ids, block_ids) -> int:
@@ -109,6 +126,7 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
     if compile_unfused:
         compiled = torch.compile(unfused, fullgraph=True)
         row["unfused_compiled_us"] = _time(compiled, graph=True)
+    row["launches"] = kernel_launches(fused)
     # What the step touched, for the byte count.
     h = torch.randn_like(x)
     _, ids = torch.ops.minimax.route(h.to(torch.bfloat16), layer.gate, layer.gate_bias, c.num_experts_per_tok,
@@ -175,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
     ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
+    ap.add_argument("--layout", choices=("tiled", "canonical"), default="tiled",
+                    help="weight layout: tiled (weights.to_kernel_layout, what deployments load) or the checkpoint's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
@@ -196,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in args.experts.split(","):
         weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=gen,
                                        device=device)
+        if args.layout == "tiled":
+            weights = to_kernel_layout(weights)
         layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
         for ctx in contexts:
             for n in tokens:
@@ -236,7 +258,7 @@ def _triton_version() -> str:
 
 
 HEADER = ("| experts | tokens | context | fused us | floor us | MB moved | TB/s | % of copy BW | unfused graph us | "
-          "unfused eager us | unfused compiled us | speedup vs graph | speedup vs eager |")
+          "unfused eager us | unfused compiled us | speedup vs graph | speedup vs eager | launches |")
 
 
 def format_row(r: dict) -> str:
@@ -244,7 +266,7 @@ def format_row(r: dict) -> str:
     return (f"| {r['experts']} | {r['tokens']} | {r['context'] // 1024}k | {r['fused_us']:.1f} | {r['floor_us']:.1f} | "
             f"{r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | {r['pct']:.0f}% | {r['unfused_graph_us']:.1f} | "
             f"{r['unfused_eager_us']:.1f} | {comp} | {r['unfused_graph_us'] / r['fused_us']:.2f}x | "
-            f"{r['unfused_eager_us'] / r['fused_us']:.2f}x |")
+            f"{r['unfused_eager_us'] / r['fused_us']:.2f}x | {r.get('launches') or '-'} |")
 
 
 def format_table(rows: list[dict], bw: float) -> str:

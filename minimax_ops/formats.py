@@ -7,10 +7,23 @@ dimension K share one E8M0 scale byte ``s``; an element's value is ``element * 2
   in the high nibble; scales uint8 [N, K/32].
 A linear weight is therefore a pair (weight, scale) whose format follows from the dtypes:
 bf16/fp32 with no scale, float8_e4m3fn + uint8 scale, or uint8 (packed e2m1) + uint8 scale.
+
+Storage layouts (``LAYOUTS``, the one registry used by checks, kernels, loader and weights): the
+element format says what the values are; the layout says how they sit in memory.
+- canonical (the checkpoint's): bf16 / MXFP8 [..., N, K], MXFP4 bytes [..., N, K/2];
+- ``mxfp4_words``: int32 [..., N, K/8], each word the canonical word's 8 values with their bits
+  pre-placed where the kernels' bf16 decode wants them (``pack_mxfp4_words``);
+- tiled (``*_tiled``): [..., N/BN, K/BK, BN, BK/k_per_unit], scales [..., N/BN, K/BK, BN, BK/32]:
+  each [BN, BK] tile a kernel program streams per K step is one contiguous block (long DRAM
+  bursts instead of BN short row pieces). BN and BK are read back from the shape. MXFP4 tiles
+  hold ``mxfp4_words`` words.
+The reference and ``dequantize`` read every layout (``to_canonical`` undoes the re-layout);
+weights.py re-lays a model's weights once at load time (``to_layout``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -42,15 +55,93 @@ def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> WeightFor
         raise ValueError(f"weight scale must be uint8 (E8M0), got {scale.dtype}")
     if weight.dtype == torch.float8_e4m3fn:
         return WeightFormat.MXFP8
-    if weight.dtype == torch.uint8:
+    if weight.dtype in (torch.uint8, torch.int32):
         return WeightFormat.MXFP4
-    raise ValueError(
-        f"weight dtype must be bfloat16, float8_e4m3fn (MXFP8) or uint8 (MXFP4), got {weight.dtype}")
+    raise ValueError(f"weight dtype must be bfloat16, float8_e4m3fn (MXFP8), uint8 (MXFP4) or int32 (MXFP4 "
+                     f"words), got {weight.dtype}")
 
 
-def logical_in_features(weight: torch.Tensor) -> int:
-    """K of a weight [..., N, K] (MXFP4 stores K/2 bytes per row)."""
-    return weight.shape[-1] * 2 if weight.dtype == torch.uint8 else weight.shape[-1]
+# Kernel decode codes (the kernels' FMT constexpr): how one storage row along K decodes.
+FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    name: str
+    element: WeightFormat  # what the values are
+    code: int  # the kernels' FMT decode code
+    dtype: torch.dtype  # storage dtype
+    k_per_unit: int  # K values per storage element along the last dimension
+    tiled: bool = False
+
+    @property
+    def canonical(self) -> "WeightLayout":
+        return CANONICAL[self.element]
+
+
+LAYOUTS = {layout.name: layout for layout in (
+    WeightLayout("bf16", WeightFormat.BF16, FMT_BF16, torch.bfloat16, 1),
+    WeightLayout("mxfp8", WeightFormat.MXFP8, FMT_MXFP8, torch.float8_e4m3fn, 1),
+    WeightLayout("mxfp4", WeightFormat.MXFP4, FMT_MXFP4, torch.uint8, 2),
+    WeightLayout("mxfp4_words", WeightFormat.MXFP4, FMT_MXFP4_WORDS, torch.int32, 8),
+    WeightLayout("bf16_tiled", WeightFormat.BF16, FMT_BF16, torch.bfloat16, 1, tiled=True),
+    WeightLayout("mxfp8_tiled", WeightFormat.MXFP8, FMT_MXFP8, torch.float8_e4m3fn, 1, tiled=True),
+    WeightLayout("mxfp4_tiled", WeightFormat.MXFP4, FMT_MXFP4_WORDS, torch.int32, 8, tiled=True),
+)}
+CANONICAL = {WeightFormat.BF16: LAYOUTS["bf16"], WeightFormat.MXFP8: LAYOUTS["mxfp8"],
+             WeightFormat.MXFP4: LAYOUTS["mxfp4"]}
+_BY_DTYPE = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "mxfp8", torch.uint8: "mxfp4", torch.int32: "mxfp4_words"}
+# The tiled layout of each element format (MXFP4 tiles hold pre-placed words).
+TILED = {WeightFormat.BF16: LAYOUTS["bf16_tiled"], WeightFormat.MXFP8: LAYOUTS["mxfp8_tiled"],
+         WeightFormat.MXFP4: LAYOUTS["mxfp4_tiled"]}
+
+
+def weight_layout(weight: torch.Tensor, scale: torch.Tensor | None, rank: int = 2, name: str = "weight") -> WeightLayout:
+    """Layout of a (weight, scale) pair whose logical rank is ``rank`` (2: a matrix [N, K], 3: an
+    expert table [E, N, K]); tiled storage has two more dimensions. Works on FakeTensors."""
+    fmt = weight_format(weight, scale)
+    if weight.dtype == torch.float32:
+        base = LAYOUTS["bf16"]
+    else:
+        base = LAYOUTS[_BY_DTYPE[weight.dtype]]
+    if weight.dim() == rank:
+        return base
+    if weight.dim() == rank + 2 and weight.dtype != torch.uint8:
+        layout = TILED[fmt]
+        if scale is not None and (scale.dim() != weight.dim() or tuple(scale.shape[:-1]) != tuple(weight.shape[:-1])):
+            raise ValueError(f"{name}_scale: expected tiled scales of shape {tuple(weight.shape[:-1])} + [BK/32], got "
+                             f"{tuple(scale.shape)}")
+        return layout
+    raise ValueError(f"{name}: expected a {rank}-d weight (or {rank + 2}-d tiled), got shape {tuple(weight.shape)} "
+                     f"{weight.dtype}")
+
+
+def logical_shape(weight: torch.Tensor, layout: WeightLayout) -> tuple[int, ...]:
+    """[..., N, K] of a weight stored in ``layout``."""
+    if layout.tiled:
+        *lead, nt, kt, bn, units = weight.shape
+        return (*lead, nt * bn, kt * units * layout.k_per_unit)
+    return (*weight.shape[:-1], weight.shape[-1] * layout.k_per_unit)
+
+
+def tile_shape(weight: torch.Tensor, layout: WeightLayout) -> tuple[int, int] | None:
+    """(BN, BK) of tiled storage, None otherwise."""
+    if not layout.tiled:
+        return None
+    return weight.shape[-2], weight.shape[-1] * layout.k_per_unit
+
+
+def logical_in_features(weight: torch.Tensor, rank: int | None = None) -> int:
+    """K of a weight [..., N, K] in any layout (``rank``: its logical rank; storage of rank + 2 is tiled)."""
+    per_unit = {torch.uint8: 2, torch.int32: 8}.get(weight.dtype, 1)
+    if rank is not None and weight.dim() == rank + 2:
+        return weight.shape[-3] * weight.shape[-1] * per_unit
+    return weight.shape[-1] * per_unit
+
+
+def logical_out_features(weight: torch.Tensor, rank: int) -> int:
+    """N of a weight [..., N, K] in any layout."""
+    return weight.shape[-4] * weight.shape[-2] if weight.dim() == rank + 2 else weight.shape[-2]
 
 
 def _shared_exponent(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -127,8 +218,11 @@ def quantize(x: torch.Tensor, fmt: WeightFormat | str) -> tuple[torch.Tensor, to
     return quantize_mxfp8(x) if fmt is WeightFormat.MXFP8 else quantize_mxfp4(x)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Any (weight, scale) pair -> float32 [..., N, K]."""
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, rank: int | None = None) -> torch.Tensor:
+    """Any (weight, scale) pair -> float32 [..., N, K]. ``rank``: the logical rank (2 matrix, 3
+    table) when the pair may be tiled; None reads canonical or word layouts."""
+    if rank is not None or weight.dtype == torch.int32:
+        weight, scale = to_canonical(weight, scale, rank or weight.dim())
     fmt = weight_format(weight, scale)
     if fmt is WeightFormat.BF16:
         return weight.float()
@@ -140,3 +234,77 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float8_e4m3fn:
         return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
     return x.to(dtype)
+
+
+# ---- layouts -------------------------------------------------------------------------------------------
+
+
+def pack_mxfp4_words(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical e2m1 bytes [..., K/2] -> ``mxfp4_words`` int32 [..., K/8].
+
+    Word i holds values 8i..8i+7; value 4h + j (h = 16-bit half, j = pair 0..3) has its sign s and
+    magnitude bits m (3) at: pair 0: s@15, m@8..6; pair 1: s@12, m@5..3; pair 2: s@9, m@2..0;
+    pair 3: s@14, m2 m1 @11,10, m0@13 (all + 16h). Pairs 0-2 then decode with one shift and one
+    mask ``(w << 3j) & 0x81C081C0``; pair 3 with three."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)
+    c = codes.unflatten(-1, (-1, 4, 2)).transpose(-1, -2)  # [..., word, half, j]: value 2j + half
+    sign, mag = c & 8, c & 7
+    halves = (((sign << 12) | (mag << 6))[..., 0] | ((sign << 9) | (mag << 3))[..., 1]
+              | ((sign << 6) | mag)[..., 2] | ((sign << 11) | ((c & 6) << 9) | ((c & 1) << 13))[..., 3])
+    as_bytes = torch.stack([halves[..., 0] & 0xFF, halves[..., 0] >> 8, halves[..., 1] & 0xFF, halves[..., 1] >> 8],
+                           dim=-1).to(torch.uint8)  # little-endian words
+    return as_bytes.flatten(-2).view(torch.int32)
+
+
+def unpack_mxfp4_words(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_mxfp4_words``: int32 [..., K/8] -> canonical bytes [..., K/2]."""
+    w = words.contiguous().view(torch.uint8).to(torch.int32).unflatten(-1, (-1, 2, 2))
+    halves = w[..., 0] | (w[..., 1] << 8)  # [..., word, half]
+    sign = torch.stack([(halves >> 15) & 1, (halves >> 12) & 1, (halves >> 9) & 1, (halves >> 14) & 1], dim=-1)
+    mag = torch.stack([(halves >> 6) & 7, (halves >> 3) & 7, halves & 7,
+                       (((halves >> 10) & 3) << 1) | ((halves >> 13) & 1)], dim=-1)
+    c = (sign << 3) | mag  # [..., word, half, j]: value 2j + half
+    codes = c.transpose(-1, -2).flatten(-3)  # value order 0..7 per word
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _tile(t: torch.Tensor, block_n: int, units: int) -> torch.Tensor:
+    """[..., N, U] -> [..., N/block_n, U/units, block_n, units], contiguous."""
+    *lead, n, u = t.shape
+    return t.reshape(*lead, n // block_n, block_n, u // units, units).transpose(-3, -2).contiguous()
+
+
+def _untile(t: torch.Tensor) -> torch.Tensor:
+    *lead, nt, kt, bn, units = t.shape
+    return t.transpose(-3, -2).reshape(*lead, nt * bn, kt * units)
+
+
+def to_layout(weight: torch.Tensor, scale: torch.Tensor | None, tiles: tuple[int, int] | None,
+              rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Re-lay a canonical (weight, scale) pair: ``tiles`` (BN, BK) gives the element format's tiled
+    layout, None keeps it canonical. BN must divide N and BK (a multiple of 32, and of 8 for MXFP4)
+    must divide K, else ValueError. Load time only (allocates a copy)."""
+    layout = weight_layout(weight, scale, rank or weight.dim())
+    if layout.name not in ("bf16", "mxfp8", "mxfp4"):
+        raise ValueError(f"weight: expected a canonical layout to re-lay, got {layout.name}")
+    if tiles is None:
+        return weight.contiguous(), None if scale is None else scale.contiguous()
+    block_n, block_k = tiles
+    n, k = weight.shape[-2], logical_shape(weight, layout)[-1]
+    if n % block_n or k % block_k or block_k % MX_BLOCK:
+        raise ValueError(f"tiles: ({block_n}, {block_k}) must divide [N, K] = [{n}, {k}] (BK a multiple of {MX_BLOCK})")
+    target = TILED[layout.element]
+    if layout.element is WeightFormat.MXFP4:
+        weight = pack_mxfp4_words(weight.contiguous())
+    tiled = _tile(weight, block_n, block_k // target.k_per_unit)
+    return tiled, None if scale is None else _tile(scale, block_n, block_k // MX_BLOCK)
+
+
+def to_canonical(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Any layout -> the checkpoint's canonical (weight, scale) pair."""
+    layout = weight_layout(weight, scale, rank)
+    if layout.tiled:
+        weight, scale = _untile(weight), None if scale is None else _untile(scale)
+    if layout.code == FMT_MXFP4_WORDS:
+        weight = unpack_mxfp4_words(weight)
+    return weight, scale

@@ -46,7 +46,7 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequant(weight)^T in fp32, for bf16, MXFP8 or MXFP4 weights."""
-    return x.float() @ dequantize(weight, scale).T
+    return x.float() @ dequantize(weight, scale, rank=2).T
 
 
 # ---- attention side ----------------------------------------------------------------------------

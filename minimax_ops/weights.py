@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
-from .formats import WeightFormat, quantize
+from .formats import CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, WeightFormat, quantize, to_layout, weight_layout
 
 SHARED_SEPARATE = "separate"
 SHARED_IN_TABLE = "table"
@@ -83,6 +83,55 @@ def _linear(n: int, k: int, fmt, generator, experts: int | None = None):
     return torch.stack([p[0] for p in pairs]), scales
 
 
+def _tile_code(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) -> int | None:
+    """The kernels' decode code of the tiled form of a canonical weight (MXFP4 tiles hold words);
+    None when the weight is not canonical (already re-laid)."""
+    layout = weight_layout(weight, scale, rank)
+    if layout is not CANONICAL[layout.element]:
+        return None
+    return FMT_MXFP4_WORDS if layout.code == FMT_MXFP4 else layout.code
+
+
+def _tiled(weight, scale, tiles_of, rank):
+    code = _tile_code(weight, scale, rank)
+    tiles = None if code is None else tiles_of(code)
+    if tiles is None:
+        return weight, scale
+    return to_layout(weight, scale, tiles, rank)
+
+
+def to_kernel_layout(w: LayerWeights) -> LayerWeights:
+    """The layer's weights re-laid once, at load time, into the tiled layouts the kernels stream
+    fastest (formats.LAYOUTS; tile sizes from kernels/tiles.py): qkv and o_proj as GEMV tiles,
+    expert tables, the shared expert and the dense MLP as expert tiles (w13 in gate/up tile rows).
+    Weights no tile fits, or already re-laid, stay as they are. The reference reads every layout
+    (formats.to_canonical)."""
+    from .kernels.tiles import expert_layout_tiles, linear_layout_tiles
+
+    def linear(weight, scale):
+        n, k = weight.shape[0], weight.shape[1] * CANONICAL[weight_layout(weight, scale).element].k_per_unit
+        return _tiled(weight, scale, lambda code: linear_layout_tiles(code, n, k), 2)
+
+    def mlp(w13, s13, w2, s2, rank):
+        hidden = w2.shape[-2]
+        inter = w13.shape[-2] // 2
+        code = _tile_code(w13, s13, rank)
+        tiles = None if code is None else expert_layout_tiles(code, hidden, inter)
+        if tiles is None or _tile_code(w2, s2, rank) != code:
+            return w13, s13, w2, s2
+        return (*to_layout(w13, s13, tiles[0], rank), *to_layout(w2, s2, tiles[1], rank))
+
+    qkv, qkv_s = linear(w.qkv, w.qkv_scale)
+    o, o_s = linear(w.o_proj, w.o_proj_scale)
+    w13, s13, w2, s2 = mlp(w.w13, w.w13_scale, w.w2, w.w2_scale, 3 if w.kind == SPARSE_MOE else 2)
+    out = dataclasses.replace(w, qkv=qkv, qkv_scale=qkv_s, o_proj=o, o_proj_scale=o_s, w13=w13, w13_scale=s13,
+                              w2=w2, w2_scale=s2)
+    if w.shared_w13 is not None:
+        sw13, ss13, sw2, ss2 = mlp(w.shared_w13, w.shared_w13_scale, w.shared_w2, w.shared_w2_scale, 2)
+        out = dataclasses.replace(out, shared_w13=sw13, shared_w13_scale=ss13, shared_w2=sw2, shared_w2_scale=ss2)
+    return out
+
+
 def _device_generator(generator: torch.Generator | None, device) -> torch.Generator | None:
     """Draw on the target device (real-size weights are slow to make on the CPU)."""
     device = torch.device(device)
@@ -141,3 +190,9 @@ def random_model_weights(config: MiniMaxM3Config, *, generator: torch.Generator 
     embed = _randn((vocab, hid), generator, 1.0).to(torch.bfloat16)
     lm_head = _randn((vocab, hid), generator, hid ** -0.5).to(torch.bfloat16)
     return ModelWeights(embed.to(device), layers, _norm(hid, generator).to(device), lm_head.to(device))
+
+
+def model_to_kernel_layout(weights: ModelWeights) -> ModelWeights:
+    """Every decoder layer's weights through ``to_kernel_layout`` (embedding and head stay as they are)."""
+    return ModelWeights(weights.embed, [to_kernel_layout(w) for w in weights.layers], weights.final_norm,
+                        weights.lm_head)

@@ -13,15 +13,19 @@ from minimax_ops.cache import allocate_caches, build_step
 from minimax_ops.config import preset
 from minimax_ops.model import MiniMaxM3DecoderLayer
 from minimax_ops.reference_model import layer_forward
-from minimax_ops.weights import random_layer_weights
+from minimax_ops.weights import random_layer_weights, to_kernel_layout
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter-only test (GPU runs the kernels in test_gpu.py)")
 
 
-@pytest.mark.parametrize("layer_idx,fmts,kv_dtype", [(1, ("mxfp8", "mxfp4"), torch.float8_e4m3fn),
-                                                     (0, ("bf16", "bf16"), torch.bfloat16)])
-def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, layer_idx, fmts, kv_dtype):
+@pytest.mark.parametrize("layer_idx,fmts,kv_dtype,tiled", [(1, ("mxfp8", "mxfp4"), torch.float8_e4m3fn, False),
+                                                           (1, ("mxfp8", "mxfp4"), torch.float8_e4m3fn, True),
+                                                           (0, ("bf16", "bf16"), torch.bfloat16, False),
+                                                           (0, ("mxfp8", "mxfp8"), torch.bfloat16, True)])
+def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, layer_idx, fmts, kv_dtype, tiled):
+    """Canonical weights, and the tiled layouts of weights.to_kernel_layout (the reference reads the
+    canonical ones)."""
     monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
     from minimax_ops.kernels import mx_linear as mx_linear_module
     calls = []
@@ -35,7 +39,9 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     meta = build_step([40, 9], 2, block_size=cfg.sparse_block_size, num_blocks=16, pad_requests=1, generator=g)
     x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
     res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    layer = MiniMaxM3DecoderLayer(cfg, w, layer_idx)
+    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w) if tiled else w, layer_idx)
+    if tiled:
+        assert layer.qkv.dim() == 4 and layer.w13.dim() == (5 if layer_idx else 4), "weights were not tiled"
     ref_cache = cache.clone()
     want, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
     out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)

@@ -13,13 +13,28 @@ import pytest
 import torch
 
 from minimax_ops import reference as ref
-from minimax_ops.formats import E2M1_VALUES, dequantize, quantize
+from minimax_ops.formats import E2M1_VALUES, dequantize, pack_mxfp4_words, quantize, to_layout
 from minimax_ops.kernels import moe as moe_kernels
 from minimax_ops.kernels import mx_linear as lin
-from minimax_ops.kernels.moe import ExpertTiles, RouterConfig, moe_experts, route
-from minimax_ops.kernels.mx_linear import GemvConfig, mx_linear, prepare_weight
+from minimax_ops.kernels import router as router_kernels
+from minimax_ops.kernels import splitk
+from minimax_ops.kernels.moe import moe_experts
+from minimax_ops.kernels.router import route
+from minimax_ops.kernels.tiles import ExpertTiles, GemvConfig, RouterConfig
+from minimax_ops.kernels.mx_linear import mx_linear
 
-FORMATS = ["bf16", "mxfp8", "mxfp4", "mxfp4p"]  # mxfp4p: MXFP4 in the kernel layout
+# Storage layouts (formats.LAYOUTS): mxfp4w = MXFP4 words; *_t = tiled (16-row, 32-wide tiles here).
+FORMATS = ["bf16", "mxfp8", "mxfp4", "mxfp4w", "bf16_t", "mxfp8_t", "mxfp4_t"]
+TEST_TILES = (16, 32)
+
+
+def kernel_layout(w: torch.Tensor, s: torch.Tensor | None, fmt: str, tiles=TEST_TILES):
+    """A canonical (weight, scale) pair in the layout ``fmt`` names."""
+    if fmt == "mxfp4w":
+        return pack_mxfp4_words(w), s
+    if fmt.endswith("_t"):
+        return to_layout(w, s, tiles, rank=w.dim())
+    return w, s
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -28,9 +43,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def make_weight(n: int, k: int, fmt: str, device: str, scale: float = 0.3, lead: tuple[int, ...] = ()):
     """(canonical weight, scale) for the reference and (weight, scale) in the kernel's layout."""
-    w, s = quantize(torch.randn(*lead, n, k) * scale, "mxfp4" if fmt == "mxfp4p" else fmt)
+    w, s = quantize(torch.randn(*lead, n, k) * scale, fmt.removesuffix("_t").removesuffix("w"))
     canonical = (w.to(device), None if s is None else s.to(device))
-    return canonical, (prepare_weight(*canonical) if fmt == "mxfp4p" else canonical)
+    return canonical, kernel_layout(*canonical, fmt)
 
 
 # ---- mx_linear -------------------------------------------------------------------------------------------
@@ -64,13 +79,13 @@ def _all_codes_weight(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Ten
     return w, s
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxfp4p"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxfp4w", "mxfp8_t", "mxfp4_t"])
 def test_decode_is_exact(fmt, device):
     """x = identity gives y = W^T: every decoded value must equal formats.dequantize exactly."""
-    w, s = _all_codes_weight(fmt, 40, 64)
+    w, s = _all_codes_weight(fmt.removesuffix("_t").removesuffix("w"), 48, 64)
     assert len(E2M1_VALUES) == 8
     want = dequantize(w, s).T
-    kw, ks = prepare_weight(w, s) if fmt == "mxfp4p" else (w, s)
+    kw, ks = kernel_layout(w, s, fmt)
     eye = torch.eye(64, device=device, dtype=torch.bfloat16)
     y = mx_linear(eye, kw.to(device), ks.to(device), out_dtype=torch.float32)
     assert torch.equal(y.cpu(), want)
@@ -80,12 +95,13 @@ def test_decode_is_exact(fmt, device):
 def test_tile_configs_agree(fmt, device):
     """Split-K (deterministic reduce), both MMA orientations, M tiled in 16-row blocks."""
     torch.manual_seed(1)
-    (w, s), (kw, ks) = make_weight(40, 128, fmt, device)
+    n = 48 if fmt.endswith("_t") else 40  # tiles divide N; row layouts also meet a partial tile
+    (w, s), (kw, ks) = make_weight(n, 128, fmt, device)
     x = torch.randn(40, 128, device=device).bfloat16()
     want = ref.linear(x, w, s)
     configs = [GemvConfig(16, 16, 32, split_k=3, swap_ab=False), GemvConfig(16, 32, 64, split_k=2),
                GemvConfig(64, 64, 128, swap_ab=False)]
-    if device == "cuda" and fmt in ("mxfp4", "mxfp4p"):
+    if device == "cuda" and fmt.startswith("mxfp4"):
         configs.append(GemvConfig(16, 64, 64, ptx=False))  # the portable decode next to the PTX one
     for cfg in configs:
         y = mx_linear(x, kw, ks, out_dtype=torch.float32, config=cfg)
@@ -95,16 +111,16 @@ def test_tile_configs_agree(fmt, device):
 
 def _counters_clear(device) -> bool:
     """The fused split-K reductions leave their arrival counters at zero for the next launch."""
-    buf = lin._COUNTERS.get(torch.device(device))
+    buf = splitk._COUNTERS.get(torch.device(device))
     return buf is None or not buf.any().item()
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4p"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4w", "mxfp8_t"])
 def test_split_reduce_modes_and_chunks(fmt, device):
     """Fused split-K (last program sums) and the two-launch reduce agree with the reference and
     with each other bit for bit (same order); K chunks per step change nothing numerically."""
     torch.manual_seed(2)
-    (w, s), (kw, ks) = make_weight(40, 256, fmt, device)
+    (w, s), (kw, ks) = make_weight(48, 256, fmt, device)
     x = torch.randn(5, 256, device=device).bfloat16()
     want = ref.linear(x, w, s)
     outs = []
@@ -117,17 +133,20 @@ def test_split_reduce_modes_and_chunks(fmt, device):
     assert _counters_clear(device)
 
 
-def test_prepare_weight_layouts(device):
-    (w, s), _ = make_weight(8, 64, "mxfp4", device, lead=(3,))
-    pw, ps = prepare_weight(w, s)
-    assert pw.dtype == torch.int32 and pw.shape == (3, 8, 8) and torch.equal(ps, s)
-    assert prepare_weight(pw, ps)[0] is pw or torch.equal(prepare_weight(pw, ps)[0], pw)  # idempotent
+def test_table_layouts_slice_per_expert(device):
+    """A table re-laid whole (words, tiles) equals each expert re-laid alone, and every expert of it
+    multiplies like its canonical weight."""
+    (w, s), _ = make_weight(16, 64, "mxfp4", device, lead=(3,))
+    pw = pack_mxfp4_words(w)
+    assert pw.dtype == torch.int32 and pw.shape == (3, 16, 8)
+    tw, ts = to_layout(w, s, (8, 32), rank=3)
+    assert tw.shape == (3, 2, 2, 8, 4) and ts.shape == (3, 2, 2, 8, 1)
     x = torch.randn(2, 64, device=device).bfloat16()
-    for e in range(3):  # a table's experts prepare like single weights
-        assert torch.equal(mx_linear(x, pw[e], ps[e], out_dtype=torch.float32),
-                           mx_linear(x, w[e], s[e], out_dtype=torch.float32))
-    (f8, s8), _ = make_weight(8, 64, "mxfp8", device)
-    assert prepare_weight(f8, s8)[0].dtype == torch.float8_e4m3fn
+    for e in range(3):
+        want = mx_linear(x, w[e], s[e], out_dtype=torch.float32)
+        assert torch.equal(pw[e], pack_mxfp4_words(w[e]))
+        assert torch.equal(mx_linear(x, pw[e], s[e], out_dtype=torch.float32), want)
+        assert torch.equal(mx_linear(x, tw[e], ts[e], out_dtype=torch.float32), want)
 
 
 def test_mx_linear_rejects_bad_inputs(device):
@@ -223,9 +242,11 @@ def _routing(n: int, device: str, few_experts: bool):
 
 @pytest.mark.parametrize("fmt, n, shared, few", [
     ("bf16", 1, "fused", False), ("mxfp8", 3, "fused", True), ("mxfp4", 16, "fused", True),
-    ("mxfp4p", 3, "separate", False), ("mxfp8", 16, "separate", False), ("mxfp4", 1, "separate", False),
+    ("mxfp4w", 3, "separate", False), ("mxfp8", 16, "separate", False), ("mxfp4", 1, "separate", False),
     ("bf16", 16, "none", True),
     ("mxfp8", 40, "fused", False),  # > 16 tokens (several token tiles) and > 64 (token, expert) pairs
+    ("mxfp4_t", 3, "fused", True), ("mxfp8_t", 16, "separate", False), ("mxfp4_t", 1, "same", False),
+    ("bf16_t", 5, "same", True),
 ])
 def test_moe_experts_matches_reference(fmt, n, shared, few, device):
     torch.manual_seed(n + len(fmt))
@@ -237,6 +258,10 @@ def test_moe_experts_matches_reference(fmt, n, shared, few, device):
         (sw13, ss13), _ = make_weight(2 * I, H, "mxfp8", device)
         (sw2, ss2), _ = make_weight(H, I, "mxfp8", device)
         extra = kextra = (sw13, ss13, sw2, ss2)
+    elif shared == "same":  # a separate shared expert in the table's own layout: one merged launch
+        (sw13, ss13), (ksw13, kss13) = make_weight(2 * I, H, fmt, device)
+        (sw2, ss2), (ksw2, kss2) = make_weight(H, I, fmt, device)
+        extra, kextra = (sw13, ss13, sw2, ss2), (ksw13, kss13, ksw2, kss2)
     want = ref.moe_experts(h, ids, weights, *table, *extra, num_routed_experts=E)
     out = moe_experts(h, ids, weights, *ktable, *kextra, num_routed_experts=E)
     assert out.dtype == torch.bfloat16 and out.shape == (n, H)
@@ -326,11 +351,11 @@ def _python_function(kernel):
     return kernel
 
 
-@pytest.mark.parametrize("module", [lin, moe_kernels])
+@pytest.mark.parametrize("module", [lin, moe_kernels, router_kernels, splitk])
 def test_aot_specs_match_kernel_signatures(module):
     """Every spec names each kernel parameter once, constexprs with a value (what aot_check needs;
     compiling them is aot_check's job, not the interpreter's)."""
-    specs = module.aot_specs() + module.aot_specs_cuda()
+    specs = module.aot_specs()
     labels = [spec.label() for spec in specs]
     assert len(labels) == len(set(labels))
     for spec in specs:

@@ -25,3 +25,15 @@ class KernelSpec:
 
     def label(self) -> str:
         return self.name or getattr(self.kernel, "__name__", repr(self.kernel))
+
+
+def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """Every spec with PDL=False (all targets) plus a CUDA-only copy with PDL=True: the launch the
+    fused decode makes as a programmatic dependent (griddepcontrol is PTX)."""
+    out = []
+    for spec in specs:
+        out.append(KernelSpec(spec.kernel, spec.signature, {**spec.constexprs, "PDL": False}, spec.num_warps,
+                              spec.num_stages, spec.name, spec.targets))
+        out.append(KernelSpec(spec.kernel, spec.signature, {**spec.constexprs, "PDL": True}, spec.num_warps,
+                              spec.num_stages, f"{spec.label()}_pdl", ("cuda",)))
+    return out

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from .aot import KernelSpec, with_pdl_variants
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 TOPK_CHUNK = 1024  # blocks per tl.topk slice in pass 2 (contexts up to 128k tokens in one slice)
 _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
@@ -29,7 +30,10 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
                         num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -66,7 +70,10 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
 @triton.jit
 def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+                       TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     tok = pid // INDEX_HEADS
     head = pid % INDEX_HEADS
@@ -123,7 +130,7 @@ def _need(ok: bool, msg: str) -> None:
 
 
 def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_len: int, topk: int) -> torch.Tensor:
+               seq_lens: torch.Tensor, query_len: int, topk: int, *, pdl: bool = False) -> torch.Tensor:
     """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
     seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
     first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
@@ -152,6 +159,7 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
     if n == 0:
         return out
     interpreted = index_q.device.type != "cuda"
+    pdl = pdl and pdl_supported(index_q.device)
     scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
     num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
     _index_score_kernel[(num_reqs, num_splits)](
@@ -159,12 +167,13 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, num_warps=4, num_stages=3)
+        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, PDL=pdl, num_warps=4, num_stages=3,
+        launch_pdl=pdl)
     block_k = triton.next_power_of_2(topk)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
-        CHUNK=_topk_chunk(width, block_k), num_warps=4)
+        CHUNK=_topk_chunk(width, block_k), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -191,4 +200,4 @@ def aot_specs() -> list[KernelSpec]:
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
                  "BLOCK_K": block_k, "CHUNK": _topk_chunk(width, block_k)},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
-    return specs
+    return with_pdl_variants(specs)

@@ -10,14 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from .aot import KernelSpec, with_pdl_variants
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
-                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -59,7 +63,7 @@ def _check_weight(weight: torch.Tensor, hidden: int) -> None:
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
     x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
@@ -75,9 +79,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if n == 0:
         return h, res_out
     block_h = triton.next_power_of_2(hidden)
+    pdl = pdl and pdl_supported(x.device)
     _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out,
                           x.stride(0), residual.stride(0), h.stride(0), res_out.stride(0),
-                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, num_warps=_num_warps(block_h))
+                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, num_warps=_num_warps(block_h),
+                          launch_pdl=pdl)
     return h, res_out
 
 
@@ -92,7 +98,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_h = triton.next_power_of_2(hidden)
     # The residual pointers are unused (HAS_RESIDUAL=False); pass x so the signature stays typed.
     _rmsnorm_kernel[(n,)](x, x, weight, h, x, x.stride(0), x.stride(0), h.stride(0), x.stride(0),
-                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=False, num_warps=_num_warps(block_h))
+                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=False, PDL=False, num_warps=_num_warps(block_h))
     return h
 
 
@@ -109,4 +115,4 @@ def aot_specs() -> list[KernelSpec]:
                      "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
                     {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res}, num_warps=_num_warps(block_h),
                     name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"))
-    return specs
+    return with_pdl_variants(specs)

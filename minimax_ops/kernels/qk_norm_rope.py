@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from .aot import KernelSpec, with_pdl_variants
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 
@@ -100,7 +101,10 @@ def _qk_norm_rope_insert_kernel(
         eps, base_hi, base_lo,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+        KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     K_SEG: tl.constexpr = NUM_HEADS
@@ -170,7 +174,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
                         index_q_norm: torch.Tensor | None, index_k_norm: torch.Tensor | None,
                         kv_cache: torch.Tensor, index_cache: torch.Tensor | None, *, num_heads: int,
                         num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
-                        index_heads: int = 0, index_dim: int = 0
+                        index_heads: int = 0, index_dim: int = 0, pdl: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Steps 3-4 of the decode spec. qkv bf16 [n, (H + 2*KVH)*D (+ (Hi + 1)*Di)]; writes k, v into
     kv_cache [blocks, KVH, bs, 2D] at slot_mapping and index_k into index_cache [blocks, bs, Di] at
@@ -221,6 +225,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
     iq_out = index_q if has_index else q
     base_hi, base_lo = _rope_base(rope_theta, rotary_dim)
     segments = num_heads + 2 * num_kv_heads + (index_heads + 1 if has_index else 0)
+    pdl = pdl and pdl_supported(qkv.device)
     _qk_norm_rope_insert_kernel[(n, segments)](
         qkv, positions, slot_mapping, islots, q_norm, k_norm, iq_w, ik_w, kv_cache, icache, q, iq_out,
         qkv.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -230,7 +235,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
         HEAD_DIM=head_dim, ROT_DIM=rotary_dim, BLOCK_SIZE=block_size,
         KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
         INDEX_FP8=has_index and index_cache.dtype == torch.float8_e4m3fn, INTERPRETED=qkv.device.type != "cuda",
-        num_warps=max(1, head_dim // 128))
+        PDL=pdl, num_warps=max(1, head_dim // 128), launch_pdl=pdl)
     return q, index_q
 
 
@@ -257,4 +262,4 @@ def aot_specs() -> list[KernelSpec]:
                          "INDEX_FP8": sparse and idx_t == "*fp8e4nv", "INTERPRETED": False},
                         num_warps=max(1, dim // 128),
                         name=f"qk_norm_rope_insert_d{dim}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if sparse else "")))
-    return specs
+    return with_pdl_variants(specs)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..constants import MAX_TOKENS
-from ..formats import WeightFormat, logical_in_features, weight_format
+from ..formats import WeightFormat, logical_in_features, logical_out_features, weight_layout
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -38,19 +38,18 @@ def check_device(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 
 
 def _checked_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, experts: bool):
-    """Format and rank of a (weight, scale) pair -> (format, K)."""
+    """Format and rank of a (weight, scale) pair in any layout (formats.LAYOUTS) -> (format, K)."""
+    rank = 3 if experts else 2
     try:
-        fmt = weight_format(weight, scale)
+        layout = weight_layout(weight, scale, rank, name)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    rank = 3 if experts else 2
-    check(weight.dim() == rank, f"{name}: expected a {rank}-d weight, got shape {tuple(weight.shape)}")
-    return fmt, logical_in_features(weight)
+    return layout.element, logical_in_features(weight, rank)
 
 
-def _check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k: int) -> None:
-    if scale is not None:
-        check_shape(f"{name}_scale", scale, (*weight.shape[:-1], k // 32))
+def _check_scale(name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if scale is not None:  # one scale per 32 values of each storage row (a tile row when tiled)
+        check_shape(f"{name}_scale", scale, (*weight.shape[:-1], logical_in_features(weight) // 32))
 
 
 def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -58,7 +57,7 @@ def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.
     """A (weight, scale) pair of any supported format whose K matches x's last dimension."""
     fmt, k = _checked_weight(name, weight, scale, experts)
     check(x.shape[-1] == k, f"{name}: weight takes {k} input features, the activation has {x.shape[-1]}")
-    _check_scale(name, weight, scale, k)
+    _check_scale(name, weight, scale)
     return fmt
 
 
@@ -66,14 +65,16 @@ def check_down_proj(name: str, up_name: str, up: torch.Tensor, weight: torch.Ten
                     out_features: int, experts: bool = False) -> WeightFormat:
     """The down projection of a SwiGLU MLP whose fused up projection ``up`` holds gate rows then up
     rows [.., 2I, K]: it must take I input features and give out_features."""
-    check(up.shape[-2] % 2 == 0, f"{up_name}: expected an even number of rows (gate, then up), got shape "
-                                 f"{tuple(up.shape)}")
+    rank = 3 if experts else 2
+    up_rows = logical_out_features(up, rank)
+    check(up_rows % 2 == 0, f"{up_name}: expected an even number of rows (gate, then up), got shape "
+                            f"{tuple(up.shape)}")
     fmt, k = _checked_weight(name, weight, scale, experts)
-    inter = up.shape[-2] // 2
+    inter = up_rows // 2
     check(k == inter, f"{name}: expected {inter} input features (half of {up_name}'s rows), got {k}")
-    check(weight.shape[-2] == out_features, f"{name}: expected {out_features} output rows, got shape "
-                                            f"{tuple(weight.shape)}")
-    _check_scale(name, weight, scale, k)
+    check(logical_out_features(weight, rank) == out_features,
+          f"{name}: expected {out_features} output rows, got shape {tuple(weight.shape)}")
+    _check_scale(name, weight, scale)
     return fmt
 
 

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from ..constants import MAX_TOKENS
+from ..backend import use_kernels
+from ..formats import logical_out_features
 from . import checked as checked_mode
 from . import stages
 from .checks import check, check_activation, check_cache, check_down_proj, check_linear, check_shape, check_step
@@ -59,7 +61,7 @@ def _check_late_weights(x, w, num_heads, head_dim, top_k=None, num_routed_expert
     nothing. top_k None: the dense MLP, else the router and experts."""
     n, hidden = x.shape
     check_linear("o_proj", _meta(n, num_heads * head_dim), w["o_proj"], w["o_proj_scale"])
-    check(w["o_proj"].shape[0] == hidden,
+    check(logical_out_features(w["o_proj"], 2) == hidden,
           f"o_proj: expected {hidden} output rows, got shape {tuple(w['o_proj'].shape)}")
     check_shape("post_norm", w["post_norm"], (hidden,))
     if top_k is None:
@@ -75,42 +77,55 @@ def _check_late_weights(x, w, num_heads, head_dim, top_k=None, num_routed_expert
 def _sparse_stages(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
                    index_cache, w, query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps,
                    index_heads, index_dim, topk_blocks, top_k, routed_scaling, num_routed_experts, alpha, limit,
-                   k_scale, v_scale):
-    """The sparse MoE layer as the nine vocabulary stages (w: weights by SPARSE_WEIGHTS name)."""
-    h, residual = stages.add_rmsnorm(x, residual, w["input_norm"], eps)
-    qkv_out = stages.mx_linear(h, w["qkv"], w["qkv_scale"])
-    q, index_q = stages.qk_norm_rope_kv_index_insert(
+                   k_scale, v_scale, ops=stages):
+    """The sparse MoE layer as its nine stages (w: weights by SPARSE_WEIGHTS name); ``ops``: the
+    vocabulary ops, or kernels/decode_layer.KERNEL_STAGES (same signatures)."""
+    h, residual = ops.add_rmsnorm(x, residual, w["input_norm"], eps)
+    qkv_out = ops.mx_linear(h, w["qkv"], w["qkv_scale"])
+    q, index_q = ops.qk_norm_rope_kv_index_insert(
         qkv_out, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
         w["index_k_norm"], kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps,
         index_heads, index_dim)
-    block_ids = stages.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk_blocks)
-    attn = stages.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
-    o = stages.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
-    h, residual = stages.add_rmsnorm(o, residual, w["post_norm"], eps)
-    weights, ids = stages.route(h, w["gate"], w["gate_bias"], top_k, routed_scaling)
-    out = stages.moe_experts(h, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"],
+    block_ids = ops.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk_blocks)
+    attn = ops.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
+    o = ops.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
+    h, residual = ops.add_rmsnorm(o, residual, w["post_norm"], eps)
+    weights, ids = ops.route(h, w["gate"], w["gate_bias"], top_k, routed_scaling)
+    out = ops.moe_experts(h, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"],
                              w["shared_w13_scale"], w["shared_w2"], w["shared_w2_scale"], num_routed_experts, alpha,
                              limit)
     return out, residual
 
 
 def _dense_stages(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, w, query_len, num_heads,
-                  num_kv_heads, head_dim, rotary_dim, rope_theta, eps, alpha, limit, k_scale, v_scale):
-    """The dense layer as its seven vocabulary stages."""
-    h, residual = stages.add_rmsnorm(x, residual, w["input_norm"], eps)
-    qkv_out = stages.mx_linear(h, w["qkv"], w["qkv_scale"])
-    q = stages.qk_norm_rope_kv_insert(qkv_out, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache,
-                                      num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps)
-    attn = stages.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)
-    o = stages.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
-    h, residual = stages.add_rmsnorm(o, residual, w["post_norm"], eps)
-    return stages.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], alpha, limit), residual
+                  num_kv_heads, head_dim, rotary_dim, rope_theta, eps, alpha, limit, k_scale, v_scale, ops=stages):
+    """The dense layer as its seven stages (``ops`` as for _sparse_stages)."""
+    h, residual = ops.add_rmsnorm(x, residual, w["input_norm"], eps)
+    qkv_out = ops.mx_linear(h, w["qkv"], w["qkv_scale"])
+    q = ops.qk_norm_rope_kv_insert(qkv_out, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache,
+                                   num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps)
+    attn = ops.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)
+    o = ops.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
+    h, residual = ops.add_rmsnorm(o, residual, w["post_norm"], eps)
+    return ops.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], alpha, limit), residual
 
 
-# The fused implementations. Today they launch the stage kernels back to back inside one op (one
-# dispatch, one node for CUDA graphs); fused kernels replace stages here without touching callers.
-fused_sparse_impl = _sparse_stages
-fused_dense_impl = _dense_stages
+# The fused implementations: the same chains on the stage kernels launched as programmatic
+# dependents of each other (kernels/decode_layer.py), where kernels run.
+
+
+def fused_sparse_impl(*args):
+    if not use_kernels(args[0]):
+        return _sparse_stages(*args)
+    from ..kernels.decode_layer import KERNEL_STAGES
+    return _sparse_stages(*args, ops=KERNEL_STAGES)
+
+
+def fused_dense_impl(*args):
+    if not use_kernels(args[0]):
+        return _dense_stages(*args)
+    from ..kernels.decode_layer import KERNEL_STAGES
+    return _dense_stages(*args, ops=KERNEL_STAGES)
 
 
 def _run(kind, layer_index, checked, caches, fused, unfused):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import reference as ref
+from ..formats import logical_out_features
 from ..backend import use_kernels
 from ..step_context import general_step
 from . import prefill
@@ -77,7 +78,7 @@ def mx_linear(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
 def _(x, weight, scale):
     check_activation("x", x)
     check_linear("weight", x, weight, scale)
-    return x.new_empty(x.shape[0], weight.shape[0])
+    return x.new_empty(x.shape[0], logical_out_features(weight, 2))
 
 
 # ---- per-head norm + RoPE + cache insert ------------------------------------------------------------
@@ -257,7 +258,7 @@ def route(h: Tensor, gate: Tensor, gate_bias: Tensor | None, top_k: int, scaling
     """Sigmoid router: (weights fp32 [n, k], ids int32 [n, k]); the bias only chooses."""
     _check_route(h, gate, gate_bias, top_k)
     if use_kernels(h):
-        from ..kernels.moe import route as kernel
+        from ..kernels.router import route as kernel
         return kernel(h, gate, gate_bias, top_k, scaling)
     return ref.route(h, gate, gate_bias, top_k, scaling)
 
@@ -281,7 +282,8 @@ def _check_moe(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w
     check(experts in (num_routed_experts, num_routed_experts + 1),
           f"w13: expected {num_routed_experts} experts (+1 shared in the table), got {experts}")
     check(w2.shape[0] == experts, f"w2: expected {experts} experts like w13, got {w2.shape[0]}")
-    check(w2.shape[1] == h.shape[1], f"w2: expected {h.shape[1]} output rows, got shape {tuple(w2.shape)}")
+    check(logical_out_features(w2, 3) == h.shape[1],
+          f"w2: expected {h.shape[1]} output rows, got shape {tuple(w2.shape)}")
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1], experts=True)
     if shared_w13 is not None:
         check(experts == num_routed_experts, "shared_w13: given separately while w13 also holds a shared expert")
@@ -322,9 +324,8 @@ def mlp(h: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor, w2_scale: 
     check_linear("w13", h, w13, w13_scale)
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
     if use_kernels(h):
-        from ..kernels.mx_linear import mx_linear as kernel
-        gate, up = kernel(h, w13, w13_scale, out_dtype=torch.float32).chunk(2, dim=-1)
-        return kernel(ref.swiglu_oai(gate, up, alpha, limit).to(BF16), w2, w2_scale)
+        from ..kernels.moe import dense_mlp
+        return dense_mlp(h, w13, w13_scale, w2, w2_scale, alpha=alpha, limit=limit)
     return ref.mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit).to(BF16)
 
 
@@ -333,4 +334,4 @@ def _(h, w13, w13_scale, w2, w2_scale, alpha, limit):
     check_activation("h", h)
     check_linear("w13", h, w13, w13_scale)
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
-    return h.new_empty(h.shape[0], w2.shape[0])
+    return h.new_empty(h.shape[0], logical_out_features(w2, 2))

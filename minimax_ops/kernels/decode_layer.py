@@ -1,0 +1,80 @@
+"""The stage kernels of a fused decode layer, each launched as a programmatic dependent (PDL) of
+the one before it on the current stream.
+
+With PDL (Hopper griddepcontrol) a kernel is launched while its predecessor still runs: its
+programs become resident, compute their addresses and ask L2 for the first bytes of their weight
+slice, then wait for the predecessor's outputs. Kernel boundaries inside the layer (and between
+layers, whose first kernel is a dependent of the previous layer's last) stop draining the GPU.
+That is only safe where the launch order is known, i.e. inside the fused op: the vocabulary ops
+launch plainly. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
+
+``KERNEL_STAGES`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
+chain (ops/fused.py) runs on either; inputs were checked by the fused op before the first launch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from . import attention, index_topk, moe, mx_linear, norm, qk_norm_rope, router
+
+
+def _add_rmsnorm(x, residual, weight, eps):
+    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
+
+
+def _mx_linear(x, weight, scale):
+    return mx_linear.mx_linear(x, weight, scale, pdl=True)
+
+
+def _qk_norm_rope_kv_index_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
+                                  index_k_norm, kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim,
+                                  rope_theta, eps, index_heads, index_dim):
+    return qk_norm_rope.qk_norm_rope_insert(
+        qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm, kv_cache,
+        index_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, pdl=True)
+
+
+def _qk_norm_rope_kv_insert(qkv, positions, slot_mapping, q_norm, k_norm, kv_cache, num_heads, num_kv_heads,
+                            head_dim, rotary_dim, rope_theta, eps):
+    return qk_norm_rope.qk_norm_rope_insert(
+        qkv, positions, slot_mapping, None, q_norm, k_norm, None, None, kv_cache, None, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps,
+        pdl=True)[0]
+
+
+def _index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk):
+    return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk, pdl=True)
+
+
+def _sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale):
+    return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,
+                                             v_scale, pdl=True)
+
+
+def _dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
+    return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
+                                            pdl=True)
+
+
+def _route(h, gate, gate_bias, top_k, scaling):
+    return router.route(h, gate, gate_bias, top_k, scaling, pdl=True)
+
+
+def _moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                 shared_w2_scale, num_routed_experts, alpha, limit):
+    return moe.moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
+                           shared_w2, shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha,
+                           limit=limit, pdl=True)
+
+
+def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit):
+    return moe.dense_mlp(h, w13, w13_scale, w2, w2_scale, alpha=alpha, limit=limit, pdl=True)
+
+
+KERNEL_STAGES = SimpleNamespace(
+    add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
+    qk_norm_rope_kv_insert=_qk_norm_rope_kv_insert, index_topk=_index_topk,
+    sparse_attention_decode=_sparse_attention_decode, dense_attention_decode=_dense_attention_decode,
+    route=_route, moe_experts=_moe_experts, mlp=_mlp)

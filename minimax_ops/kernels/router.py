@@ -1,0 +1,218 @@
+"""Sigmoid top-k router of a MoE decode step.
+
+``_router_logits_kernel`` splits the fp32 gate GEMV [n, H] x [E, H]^T over (expert tile, H split) so
+the 3 MB gate streams on many SMs, writing fp32 partial logits; the top-k (sum of the partials in a
+fixed order, sigmoid, top-k of score + bias) runs in the last of those programs to finish
+(``splitk.last_arrival``: one launch), or in ``_router_topk_kernel`` (one program per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot import KernelSpec
+from .norm import check_rows
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
+from .splitk import last_arrival, split_counters, sum_splits
+from .tiles import TOKEN_BLOCK, RouterConfig, block_k_for, num_sms, router_config
+
+
+@triton.jit
+def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
+              HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+              SPLIT_POW2: tl.constexpr):
+    """Token t: logits = sum of the split partials part[s, t, :] (all loaded at once, fixed tree
+    order); ids = top-k of sigmoid(logit) + bias (descending; ties to the lower id), weights = the
+    chosen sigmoid scores renormalised to sum to `scaling`."""
+    offs_e = tl.arange(0, E_POW2)
+    e_mask = offs_e < n_experts
+    logits = sum_splits(part_ptr + t * n_experts + offs_e, e_mask, n_tokens * n_experts, n_split, SPLIT_POW2)
+    score = tl.sigmoid(logits)
+    choice = score
+    if HAS_BIAS:
+        choice = score + tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    choice = tl.where(e_mask, choice, float("-inf"))
+    cols = tl.arange(0, K_POW2)
+    ids = tl.zeros([K_POW2], dtype=tl.int32)
+    weights = tl.zeros([K_POW2], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(choice, axis=0)
+        ids = tl.where(cols == j, best, ids)
+        weights = tl.where(cols == j, tl.sum(tl.where(offs_e == best, score, 0.0), axis=0), weights)
+        choice = tl.where(offs_e == best, float("-inf"), choice)
+    weights = weights / tl.sum(weights, axis=0) * scaling
+    tl.store(ids_ptr + t * TOPK + cols, ids, mask=cols < TOPK)
+    tl.store(weights_ptr + t * TOPK + cols, weights, mask=cols < TOPK)
+
+
+@triton.jit
+def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr, ids_ptr,
+                          n_tokens, n_experts, iters_per_split, n_split, stride_hm, stride_ge, scaling,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          LOGITS: tl.constexpr, FUSED_TOPK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SPLIT_POW2: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Grid (expert tiles, H splits): part[split, t, e] = sum over the split's H of h[t] * gate[e] in
+    fp32 (LOGITS 0: tl.dot, ieee fp32 FMAs; 1: tl.dot in 3xTF32 on tensor cores, fp32-accurate;
+    2: one token at a time, multiply and row sums, gate tile loaded once); with FUSED_TOPK the last
+    program to finish runs the top-k of every token."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    rows = tl.minimum(offs_e, n_experts - 1).to(tl.int64)
+    k0 = pid_s * iters_per_split * BLOCK_H
+    offs_k = k0 + tl.arange(0, BLOCK_H)
+    if LOGITS == 2:
+        g_ptrs = g_ptr + rows[:, None] * stride_ge + offs_k[None, :]
+        t_rows = tl.arange(0, BLOCK_T)
+        for t0 in range(0, n_tokens, BLOCK_T):
+            acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            for i in range(iters_per_split):
+                g = tl.load(g_ptrs + i * BLOCK_H)
+                for tt in range(0, tl.minimum(BLOCK_T, n_tokens - t0)):
+                    x = tl.load(h_ptr + (t0 + tt) * stride_hm + offs_k + i * BLOCK_H).to(tl.float32)
+                    row = tl.sum(g * x[None, :], axis=1)
+                    acc = tl.where(t_rows[:, None] == tt, acc + row[None, :], acc)
+            offs_t = t0 + t_rows
+            out = part_ptr + pid_s * n_tokens * n_experts + offs_t[:, None] * n_experts + offs_e[None, :]
+            tl.store(out, acc, mask=(offs_t[:, None] < n_tokens) & (offs_e[None, :] < n_experts))
+    else:
+        for t0 in range(0, n_tokens, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_mask = offs_t < n_tokens
+            x_ptrs = h_ptr + offs_t.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
+            g_ptrs = g_ptr + rows[:, None] * stride_ge + offs_k[None, :]
+            acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            for _ in range(iters_per_split):
+                x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
+                g = tl.trans(tl.load(g_ptrs))
+                if LOGITS == 1:
+                    acc = tl.dot(x, g, acc, input_precision="tf32x3")
+                else:
+                    acc = tl.dot(x, g, acc, input_precision="ieee")
+                x_ptrs += BLOCK_H
+                g_ptrs += BLOCK_H
+            out = part_ptr + pid_s * n_tokens * n_experts + offs_t[:, None] * n_experts + offs_e[None, :]
+            tl.store(out, acc, mask=t_mask[:, None] & (offs_e[None, :] < n_experts))
+    if FUSED_TOPK:
+        if last_arrival(cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
+            for t in range(0, n_tokens):
+                _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
+                          HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2)
+
+
+@triton.jit
+def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_experts, n_split, scaling,
+                        HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+                        SPLIT_POW2: tl.constexpr):
+    """One program per token: the top-k of _router_logits_kernel's partials (unfused mode)."""
+    _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0), n_tokens, n_experts, n_split, scaling,
+              HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2)
+
+
+def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+          scaling: float, *, config: RouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits = fp32(h) @ gate^T; s = sigmoid; ids = top-k of s + bias (descending); weights =
+    s[ids] / sum(s[ids]) * scaling. Returns (weights fp32 [n, k], ids int32 [n, k]).
+    ``config`` overrides ``router_config`` (tuning, tests)."""
+    check_rows("h", h, shape="[n, H]", dim="H")
+    n, hidden = h.shape
+    if gate_weight.dim() != 2 or gate_weight.dtype != torch.float32 or gate_weight.shape[1] != hidden:
+        raise ValueError(f"gate_weight: expected fp32 [E, {hidden}], got {gate_weight.dtype} "
+                         f"{tuple(gate_weight.shape)}")
+    gate_weight = gate_weight.contiguous()
+    n_experts = gate_weight.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_experts,)):
+        raise ValueError(f"bias: expected fp32 [{n_experts}] or None, got {bias.dtype} {tuple(bias.shape)}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k: expected 1..{n_experts}, got {top_k}")
+    if hidden % 32:
+        raise ValueError(f"h: hidden size must be a multiple of 32, got {hidden}")
+    pdl = pdl and pdl_supported(h.device)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=h.device)
+    if n == 0:
+        return weights, ids
+    cfg = config or router_config(n, n_experts, hidden, num_sms(h.device))
+    block_h = block_k_for(hidden, cfg.block_h)
+    iters = hidden // block_h
+    split = max(1, min(cfg.split, iters))
+    while iters % split:
+        split -= 1
+    tf32x3 = h.device.type == "cuda" and torch.version.hip is None
+    logits = 2 if cfg.logits == 1 and not tf32x3 else cfg.logits  # 3xTF32: NVIDIA only
+    counters = split_counters(h.device, 1) if cfg.fused_topk else None
+    part = torch.empty(split, n, n_experts, dtype=torch.float32, device=h.device)
+    bias_arg = bias.contiguous() if bias is not None else part
+    meta = dict(HAS_BIAS=bias is not None, E_POW2=triton.next_power_of_2(n_experts), TOPK=top_k,
+                K_POW2=triton.next_power_of_2(top_k), SPLIT_POW2=triton.next_power_of_2(split))
+    _router_logits_kernel[(triton.cdiv(n_experts, cfg.block_e), split)](
+        h, gate_weight, part, counters if counters is not None else part, bias_arg, weights, ids,
+        n, n_experts, iters // split, split, h.stride(0), gate_weight.stride(0), float(scaling),
+        BLOCK_T=TOKEN_BLOCK, BLOCK_E=cfg.block_e, BLOCK_H=block_h, LOGITS=logits, FUSED_TOPK=counters is not None,
+        PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl, **meta)
+    if counters is None:
+        _router_topk_kernel[(n,)](part, bias_arg, weights, ids, n, n_experts, split, float(scaling), num_warps=4,
+                                  **meta)
+    return weights, ids
+
+
+# ---- ahead-of-time specs ---------------------------------------------------------------------------------
+
+# (H, I, routed experts, top-k): the tiny preset and the real model.
+AOT_SIZES = [(64, 32, 8, 2), (6144, 3072, 128, 4)]
+AOT_TOKENS = (1, 16)
+
+
+def aot_specs() -> list[KernelSpec]:
+    """Fused and two-kernel router at both sizes; for CUDA only (``targets``) the 3xTF32 logits of
+    many-token steps and the PDL launch of the fused router."""
+    specs = []
+    for hidden, inter, n_routed, top_k in AOT_SIZES:
+        size = f"h{hidden}"
+        for n in AOT_TOKENS:
+            cfg = router_config(n, n_routed, hidden, 132)
+            if cfg.logits == 1:  # 3xTF32 is CUDA-only (below); HIP runs LOGITS 2
+                cfg = dataclasses.replace(cfg, logits=2)
+            block_e, block_h, split = cfg.block_e, block_k_for(hidden, cfg.block_h), cfg.split
+            for has_bias in (True, False):
+                meta = {"HAS_BIAS": has_bias, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
+                        "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(split)}
+                tag = f"{size}_e{block_e}h{block_h}x{meta['SPLIT_POW2']}_l{cfg.logits}_bias{int(has_bias)}"
+                for fuse, pdl in ((True, False), (False, False), (True, True)):
+                    specs.append(KernelSpec(
+                        _router_logits_kernel,
+                        {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+                         "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "n_tokens": "i32",
+                         "n_experts": "i32", "iters_per_split": "i32", "n_split": "i32", "stride_hm": "i32",
+                         "stride_ge": "i32", "scaling": "fp32"},
+                        dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
+                             FUSED_TOPK=fuse, PDL=pdl), num_warps=cfg.num_warps, targets=("cuda",) if pdl else (),
+                        name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
+                specs.append(KernelSpec(
+                    _router_topk_kernel,
+                    {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+                     "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
+                    meta, name=f"router_topk_{tag}"))
+        cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
+        block_h = block_k_for(hidden, cfg.block_h)
+        specs.append(KernelSpec(
+            _router_logits_kernel,
+            {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "bias_ptr": "*fp32",
+             "weights_ptr": "*fp32", "ids_ptr": "*i32", "n_tokens": "i32", "n_experts": "i32",
+             "iters_per_split": "i32", "n_split": "i32", "stride_hm": "i32", "stride_ge": "i32", "scaling": "fp32"},
+            {"HAS_BIAS": True, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
+             "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(cfg.split),
+             "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
+             "PDL": False}, num_warps=cfg.num_warps, targets=("cuda",),
+            name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
+    # De-duplicate router specs that two token counts share.
+    unique = {spec.label(): spec for spec in specs}
+    return list(unique.values())

@@ -1,0 +1,201 @@
+"""Tile heuristics of the weight-streaming kernels, apart from the kernels: GEMV tiles and K splits,
+expert tiles, router tiles, and the tiles the load-time tiled weight layout is cut to (which the
+kernels then read back from the weight's shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
+
+DEFAULT_SMS = 132  # an H200; used where no GPU can be asked (CPU / interpreter)
+TOKEN_BLOCK = 16  # token rows per tl.dot tile (a step's tokens, padded)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # requested splits of K (the wrapper rounds to whole BLOCK_K steps)
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = True  # weights as the MMA's A operand: wgmma on Hopper, fewer register moves
+    ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever use_ptx(device) allows
+    fused_reduce: bool = True  # split-K: the last split program of a tile sums the partials
+    k_chunks: int = 1  # BLOCK_K tiles per K-loop step (longer runs of each weight row per step)
+
+
+
+# Per format: (BLOCK_N, largest BLOCK_K, num_warps, num_stages, K chunks per step). MXFP8 from
+# benchmarks/sweep_kernels.py on an H200 (triton 3.6; qkv 9856x6144 and o_proj 6144x8192, M = 1..16:
+# 10 tiles x 6 splits, then K chunks 1-8); the others keep the SASS-derived tiles. Narrower K
+# (64-128) with more resident warps, 8 warps, and K chunks (longer bursts per row, but 2-4x the
+# shared memory) all measured slower than 64 x 256 x 3 stages split 4: wide per-row bursts matter
+# more than occupancy here.
+_TILES = {FMT_BF16: (64, 128, 4, 4, 1), FMT_MXFP8: (64, 256, 4, 3, 1), FMT_MXFP4: (128, 256, 4, 3, 1),
+          FMT_MXFP4_WORDS: (128, 256, 4, 3, 1)}
+_PROGRAMS_PER_SM = 4  # K is split until this many programs stream per SM ...
+_MAX_SPLIT = 4  # ... but into at most this many parts (8 splits of o_proj measured 10% slower than 4)
+_MIN_ITERS_PER_SPLIT = 2
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+def block_k_for(k: int, cap: int) -> int:
+    """Largest power of two <= cap dividing K (K is a multiple of 32), so the K loop needs no masks."""
+    block = cap
+    while k % block:
+        block //= 2
+    return block
+
+
+def block_m_for(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemvConfig:
+    """Tiles for one GEMV: the format's tile, K split (at most _MAX_SPLIT ways) until ~4 programs
+    per SM stream."""
+    block_n, cap_k, warps, stages, chunks = _TILES[fmt]
+    block_m = block_m_for(m)
+    block_k = block_k_for(k, cap_k)
+    while chunks > 1 and k % (block_k * chunks):
+        chunks //= 2
+    iters = k // (block_k * chunks)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = 1
+    target = _PROGRAMS_PER_SM * sms
+    if tiles < target // 2:
+        # Splits that divide the K steps evenly, each with at least a few steps.
+        options = [d for d in range(1, min(iters, _MAX_SPLIT) + 1)
+                   if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
+        split = next((d for d in options if tiles * d >= target), options[-1])
+    return GemvConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=stages, k_chunks=chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    block_n: int  # w13: gate rows per program (and as many up rows); w2: output rows per program
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split: int = 1  # K splits (w13: over H, w2: over I)
+    swap_ab: bool = True
+    ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever mx_linear.use_ptx allows
+    k_chunks: int = 1  # BLOCK_K tiles per K-loop step (see mx_linear.stream_rows)
+
+
+# Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
+# K chunks per step), from benchmarks/sweep_kernels.py on an H200 (triton 3.6; 1/4/16-token steps,
+# shared expert separate; 3 runs, ~40 tiles x splits per kernel and format): MXFP8 streams 64-row
+# tiles 256 values wide, MXFP4 128-row tiles 256 (w13) / 64 (w2) values wide. Wider MXFP4 rows
+# (512 values, 8 warps: 10% slower at 1 token, 2x at 16) and K chunks (up to 30% slower: shared
+# memory) lost. K is split only to bring a launch to _EXPERT_MIN_PROGRAMS per SM: splitting w13 (H)
+# never paid, splitting w2 (I) helps 1-2 token steps by a few %. The kernel-layout MXFP4
+# (prepare_weight) runs 9-10% faster than canonical with these tiles; the PTX decode is worth ~10%
+# there and nothing measurable on canonical MXFP4.
+_EXPERT_TILES = {
+    FMT_BF16: ((64, 128, 4, 3, 1), (64, 128, 4, 3, 1)),
+    FMT_MXFP8: ((64, 256, 4, 3, 1), (64, 256, 4, 3, 1)),
+    FMT_MXFP4: ((128, 256, 4, 3, 1), (128, 64, 4, 3, 1)),
+    FMT_MXFP4_WORDS: ((128, 256, 4, 3, 1), (128, 64, 4, 3, 1)),
+}
+_EXPERT_MIN_PROGRAMS = (1.0, 5.0)  # per SM, (w13, w2)
+_MIN_ITERS_PER_SPLIT = 4
+COMBINE_BLOCK = 1024
+
+
+def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: int,
+                 can_split: bool = True) -> ExpertTiles:
+    """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
+    K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM."""
+    rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
+    rows = max(32 if w13 else 16, min(rows, triton.next_power_of_2(rows_total)))  # tiny models: no idle rows
+    block_k = block_k_for(k, cap_k)
+    chunks = fit_chunks(k, block_k, chunks)
+    tiles = slots * triton.cdiv(rows_total, rows)
+    split = 1
+    if can_split:
+        iters = k // (block_k * chunks)
+        options = [d for d in range(1, iters + 1) if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
+        target = _EXPERT_MIN_PROGRAMS[0 if w13 else 1] * sms
+        split = next((d for d in options if tiles * d >= target), options[-1])
+    return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks)
+
+
+def fit_chunks(k: int, block_k: int, chunks: int) -> int:
+    """The largest power-of-two count <= chunks of BLOCK_K tiles per step that divides K."""
+    while chunks > 1 and k % (block_k * chunks):
+        chunks //= 2
+    return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    block_e: int
+    block_h: int
+    split: int  # H splits (the wrapper rounds it down to a divisor of hidden / block_h)
+    logits: int = 2  # _router_logits_kernel's LOGITS mode
+    fused_topk: bool = True
+    num_warps: int = 4
+
+
+def router_config(n_tokens: int, n_experts: int, hidden: int, sms: int) -> RouterConfig:
+    """Router GEMV tiles, from benchmarks/sweep_kernels.py on an H200 (128 x 6144 fp32 gate): 32
+    experts x 256 of H per program, one step each (96 programs). 1 token: multiply + row sums and
+    the top-k in the last program (one launch, 5.8 us); up to 8 tokens the same logits and the
+    top-k one program per token (9 us at 4); more tokens: 3xTF32 tensor-core logits (10 us at 16).
+    The fp32-FMA tl.dot (LOGITS 0) took ~15 us at every size."""
+    block_e = 32 if n_experts >= 32 else 16
+    block_h = block_k_for(hidden, 256)
+    iters = hidden // block_h
+    tiles = triton.cdiv(n_experts, block_e)
+    split = max(d for d in range(1, iters + 1) if iters % d == 0 and (tiles * d <= 2 * sms or d == 1))
+    logits = 2 if n_tokens <= 8 else 1
+    return RouterConfig(block_e, block_h, split, logits, fused_topk=n_tokens == 1)
+
+
+EXPERT_FORMATS = tuple(_EXPERT_TILES)
+
+
+def _dividing_rows(rows: int, n: int, least: int = 16) -> int | None:
+    """The largest power of two <= rows that divides n (at least ``least``), None if there is none."""
+    while rows >= least:
+        if n % rows == 0:
+            return rows
+        rows //= 2
+    return None
+
+
+def linear_layout_tiles(code: int, n: int, k: int) -> tuple[int, int] | None:
+    """(BN, BK) a linear weight [N, K] is cut to in the tiled layout (the GEMV's preferred tile,
+    shrunk to divide N), None if no tile fits (the weight then stays in its row layout)."""
+    block_n, cap_k = _TILES[code][:2]
+    rows = _dividing_rows(block_n, n)
+    block_k = block_k_for(k, cap_k)
+    return None if rows is None or block_k < 32 else (rows, block_k)
+
+
+def expert_layout_tiles(code: int, hidden: int, inter: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((BN, BK) of w13 [2I, H] tiles, (BN, BK) of w2 [H, I] tiles) in the tiled layout: w13 tiles
+    hold BLOCK_I rows (a program reads a gate tile and the matching up tile), w2 tiles the w2
+    kernel's rows. None if no tile fits."""
+    (rows13, cap13, *_), (rows2, cap2, *_) = _EXPERT_TILES[code]
+    rows13 = max(32, min(rows13, triton.next_power_of_2(2 * inter)))
+    rows2 = max(16, min(rows2, triton.next_power_of_2(hidden)))
+    block_i, block_n = _dividing_rows(rows13 // 2, inter), _dividing_rows(rows2, hidden)
+    k13, k2 = block_k_for(hidden, cap13), block_k_for(inter, cap2)
+    if block_i is None or block_n is None or min(k13, k2) < 32:
+        return None
+    return (block_i, k13), (block_n, k2)
