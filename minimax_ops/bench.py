@@ -10,8 +10,8 @@ and o_proj weights, the router, the distinct experts the step's tokens chose plu
 the KV rows of the blocks each (request, kv head) selected, the index keys of every request, and
 activations. Achieved TB/s is bytes / fused time; % is against a device-to-device copy measured in
 the same run. Requests have query_len 1 (one token each), fp8 KV and index caches. Weights are in
-the tiled layouts a deployment loads (weights.to_kernel_layout; ``--layout canonical`` keeps the
-checkpoint's), the same for the fused op and the unfused chain; "launches" counts the kernels one
+the layout a deployment loads (weights.to_kernel_layout; ``--layout tiled`` / ``canonical``), the
+same for the fused op and the unfused chain; "launches" counts the kernels one
 fused call runs (profiler). MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
 """
 
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
     ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
-    ap.add_argument("--layout", choices=("tiled", "canonical"), default="tiled",
-                    help="weight layout: tiled (weights.to_kernel_layout, what deployments load) or the checkpoint's")
+    ap.add_argument("--layout", choices=("kernel", "tiled", "canonical"), default="kernel",
+                    help="weights: weights.to_kernel_layout (kernel), the same tiled, or the checkpoint's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in args.experts.split(","):
         weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=gen,
                                        device=device)
-        if args.layout == "tiled":
-            weights = to_kernel_layout(weights)
+        if args.layout != "canonical":
+            weights = to_kernel_layout(weights, tiled=args.layout == "tiled")
         layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
         for ctx in contexts:
             for n in tokens:

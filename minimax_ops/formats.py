@@ -240,7 +240,18 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pack_mxfp4_words(packed: torch.Tensor) -> torch.Tensor:
-    """Canonical e2m1 bytes [..., K/2] -> ``mxfp4_words`` int32 [..., K/8].
+    """Canonical e2m1 bytes [..., K/2] -> ``mxfp4_words`` int32 [..., K/8], a bounded number of rows
+    at a time (the int32 temporaries of a real expert table would not fit)."""
+    rows = packed.reshape(-1, packed.shape[-1])
+    out = torch.empty(rows.shape[0], rows.shape[1] // 4, dtype=torch.int32, device=packed.device)
+    chunk = max(1, 2**24 // max(1, rows.shape[1]))
+    for r in range(0, rows.shape[0], chunk):
+        out[r:r + chunk] = _pack_words(rows[r:r + chunk])
+    return out.reshape(*packed.shape[:-1], -1)
+
+
+def _pack_words(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_mxfp4_words`` of one chunk.
 
     Word i holds values 8i..8i+7; value 4h + j (h = 16-bit half, j = pair 0..3) has its sign s and
     magnitude bits m (3) at: pair 0: s@15, m@8..6; pair 1: s@12, m@5..3; pair 2: s@9, m@2..0;

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
-from .formats import CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, WeightFormat, quantize, to_layout, weight_layout
+from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, WeightFormat, pack_mxfp4_words, quantize, to_layout,
+                      weight_layout)
 
 SHARED_SEPARATE = "separate"
 SHARED_IN_TABLE = "table"
@@ -92,27 +93,38 @@ def _tile_code(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) -> i
     return FMT_MXFP4_WORDS if layout.code == FMT_MXFP4 else layout.code
 
 
+def _words(weight, scale):
+    """MXFP4 as pre-placed words (formats ``mxfp4_words``); other formats unchanged."""
+    if weight.dtype == torch.uint8 and scale is not None:
+        return pack_mxfp4_words(weight.contiguous()), scale
+    return weight, scale
+
+
 def _tiled(weight, scale, tiles_of, rank):
     code = _tile_code(weight, scale, rank)
     tiles = None if code is None else tiles_of(code)
     if tiles is None:
-        return weight, scale
+        return _words(weight, scale)
     return to_layout(weight, scale, tiles, rank)
 
 
-def to_kernel_layout(w: LayerWeights) -> LayerWeights:
-    """The layer's weights re-laid once, at load time, into the tiled layouts the kernels stream
-    fastest (formats.LAYOUTS; tile sizes from kernels/tiles.py): qkv and o_proj as GEMV tiles,
-    expert tables, the shared expert and the dense MLP as expert tiles (w13 in gate/up tile rows).
-    Weights no tile fits, or already re-laid, stay as they are. The reference reads every layout
-    (formats.to_canonical)."""
+def to_kernel_layout(w: LayerWeights, tiled: bool = False) -> LayerWeights:
+    """The layer's weights re-laid once, at load time, for the kernels (formats.LAYOUTS): MXFP4 as
+    pre-placed words; with ``tiled`` every weight in tiles (tile sizes from kernels/tiles.py): qkv
+    and o_proj as GEMV tiles, expert tables, the shared expert and the dense MLP as expert tiles.
+    BENCHMARKS.md has both measured; words is the default. Weights no tile fits, or already
+    re-laid, stay as they are. The reference reads every layout (formats.to_canonical)."""
     from .kernels.tiles import expert_layout_tiles, linear_layout_tiles
 
     def linear(weight, scale):
+        if not tiled:
+            return _words(weight, scale)
         n, k = weight.shape[0], weight.shape[1] * CANONICAL[weight_layout(weight, scale).element].k_per_unit
         return _tiled(weight, scale, lambda code: linear_layout_tiles(code, n, k), 2)
 
     def mlp(w13, s13, w2, s2, rank):
+        if not tiled:
+            return (*_words(w13, s13), *_words(w2, s2))
         hidden = w2.shape[-2]
         inter = w13.shape[-2] // 2
         code = _tile_code(w13, s13, rank)
@@ -192,7 +204,7 @@ def random_model_weights(config: MiniMaxM3Config, *, generator: torch.Generator 
     return ModelWeights(embed.to(device), layers, _norm(hid, generator).to(device), lm_head.to(device))
 
 
-def model_to_kernel_layout(weights: ModelWeights) -> ModelWeights:
+def model_to_kernel_layout(weights: ModelWeights, tiled: bool = False) -> ModelWeights:
     """Every decoder layer's weights through ``to_kernel_layout`` (embedding and head stay as they are)."""
-    return ModelWeights(weights.embed, [to_kernel_layout(w) for w in weights.layers], weights.final_norm,
+    return ModelWeights(weights.embed, [to_kernel_layout(w, tiled) for w in weights.layers], weights.final_norm,
                         weights.lm_head)

@@ -39,7 +39,7 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     meta = build_step([40, 9], 2, block_size=cfg.sparse_block_size, num_blocks=16, pad_requests=1, generator=g)
     x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
     res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w) if tiled else w, layer_idx)
+    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w, tiled=True) if tiled else w, layer_idx)
     if tiled:
         assert layer.qkv.dim() == 4 and layer.w13.dim() == (5 if layer_idx else 4), "weights were not tiled"
     ref_cache = cache.clone()

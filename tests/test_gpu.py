@@ -35,20 +35,22 @@ def _real_small_layers():
     return preset("real").replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1), sparse_attention_freq=(0, 0, 0, 1))
 
 
-CASES = [  # (config name, layer, linear fmt, expert fmt, shared, kv dtype, index dtype, tiled layout)
-    ("tiny", 1, "bf16", "bf16", "separate", BF16, BF16, False),
-    ("tiny", 1, "mxfp8", "mxfp4", "table", FP8, FP8, True),
-    ("tiny", 0, "mxfp8", "mxfp8", "separate", FP8, FP8, True),
-    ("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, True),
-    ("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, False),
-    ("real", 3, "mxfp8", "mxfp8", "table", FP8, BF16, True),
-    ("real", 3, "bf16", "mxfp8", "separate", BF16, BF16, True),
-    ("real", 0, "mxfp8", "mxfp8", "separate", BF16, BF16, True),
+CASES = [  # (config name, layer, linear fmt, expert fmt, shared, kv dtype, index dtype, weight layout)
+    ("tiny", 1, "bf16", "bf16", "separate", BF16, BF16, "canonical"),
+    ("tiny", 1, "mxfp8", "mxfp4", "table", FP8, FP8, "tiled"),
+    ("tiny", 0, "mxfp8", "mxfp8", "separate", FP8, FP8, "kernel"),
+    ("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "kernel"),
+    ("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "tiled"),
+    ("real", 3, "mxfp8", "mxfp4", "table", FP8, FP8, "canonical"),
+    ("real", 3, "mxfp8", "mxfp8", "table", FP8, BF16, "kernel"),
+    ("real", 3, "bf16", "mxfp8", "separate", BF16, BF16, "tiled"),
+    ("real", 0, "mxfp8", "mxfp8", "separate", BF16, BF16, "kernel"),
 ]
+LAYOUTS = {"canonical": lambda w: w, "kernel": to_kernel_layout, "tiled": lambda w: to_kernel_layout(w, tiled=True)}
 
 
-def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, tiled, contexts, query_len, seed):
-    """w: canonical weights (the reference's); the layer holds them re-laid (to_kernel_layout) when tiled."""
+def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, contexts, query_len, seed):
+    """w: canonical weights (the reference's); the layer holds them in ``layout`` (LAYOUTS)."""
     cfg = preset("tiny") if name == "tiny" else _real_small_layers()
     g = torch.Generator().manual_seed(seed)
     w = random_layer_weights(cfg, layer_idx, linear_format=lin, expert_format=exp, shared=shared, generator=g,
@@ -61,12 +63,12 @@ def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, tiled, cont
     n = meta.num_tokens
     x = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
     res = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
-    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w) if tiled else w, layer_idx).cuda()
+    layer = MiniMaxM3DecoderLayer(cfg, LAYOUTS[layout](w), layer_idx).cuda()
     return cfg, w, layer, caches[layer_idx], meta, x, res, blocks, g
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:5])) + f"-{c[5]}".replace("torch.", "")
-                         + ("-tiled" if c[7] else ""))
+                         + f"-{c[7]}")
 @pytest.mark.parametrize("query_len", [1, 2])
 def test_layer_matches_reference(case, query_len):
     """Unfused chain (stage kernels) and fused op on CUDA vs the fp32 reference; caches identical."""
@@ -94,7 +96,7 @@ def test_fused_op_capture_and_replay(name, layer_idx):
     """Capture the fused op once; write new steps into the same buffers; replay matches the reference."""
     fmt = ("mxfp8", "mxfp4") if name == "real" else ("bf16", "bf16")
     contexts = [300, 41] if name == "tiny" else [5000, 1500]
-    cfg, w, layer, cache, meta, x, res, blocks, g = _setup(name, layer_idx, *fmt, "separate", FP8, FP8, True,
+    cfg, w, layer, cache, meta, x, res, blocks, g = _setup(name, layer_idx, *fmt, "separate", FP8, FP8, "kernel",
                                                            contexts, 1, 2)
     static = dict(x=x.clone(), res=res.clone(), pos=meta.positions.clone(), slots=meta.slot_mapping.clone(),
                   islots=meta.index_slot_mapping.clone(), table=meta.block_table.clone(), seq=meta.seq_lens.clone())
@@ -198,7 +200,7 @@ def test_compiled_model_with_pass_full_cuda_graph(name):
 def test_thousand_replays_are_bit_identical():
     """Determinism: 1000 replays of a captured real-size fused layer on the same inputs give the same
     bits (no float atomics, fixed reduction orders), and the caches it rewrites stay identical."""
-    cfg, w, layer, cache, meta, x, res, blocks, g = _setup("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, True,
+    cfg, w, layer, cache, meta, x, res, blocks, g = _setup("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "kernel",
                                                            [9000, 300, 4096], 1, 7)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -140,7 +140,8 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                     SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr,
-                    SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr):
+                    SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
+                    FMA: tl.constexpr):
     """Grid (slot, I tile, H split): a[t, column, i] = swiglu_oai(h[t] W_gate[i]^T, h[t] W_up[i]^T)
     (bf16) for the tokens t that chose the slot's expert in top-k column `column` (k: shared).
     Tiled w13: tile row t holds gate rows of I tile t, tile row t + I/BLOCK_I the matching up rows.
@@ -176,7 +177,7 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
             if tl.max(chosen.to(tl.int32), axis=0) > 0:
                 acc = stream_rows(h_ptr + offs_m.to(tl.int64) * stride_hm, chosen, w_rows, s_rows,
                                   it_begin * (K_CHUNKS * BLOCK_K), n_iters, FMT, BLOCK_M, 2 * BLOCK_I, BLOCK_K,
-                                  SWAP_AB, DOT_FP32, PTX, K_CHUNKS, BLOCK_I if TILED else 0)
+                                  SWAP_AB, DOT_FP32, PTX, K_CHUNKS, BLOCK_I if TILED else 0, FMA)
                 if SPLIT == 1:
                     _store_activation(acc, a_ptr, offs_m, col, chosen, offs_i, inter_e, stride_am, stride_acol,
                                       alpha, limit, BLOCK_M, BLOCK_I)
@@ -209,7 +210,8 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr,
-                   SPLIT: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   SPLIT: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   FMA: tl.constexpr):
     """Grid (slot, H tile, I split): y[split, t, column, h] = a[t, column, split's I] W2[h, split's I]^T
     (fp32) for the tokens that chose the slot's expert; every split stores (zeros past its I).
     PDL: the ids are two kernels old (complete), so the program finds its expert, asks L2 for the
@@ -234,7 +236,8 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         if TILED and PREFETCH > 0:
             if expert >= 0:
                 start = w_base + tl.program_id(1).to(tl.int64) * tile_w + (it_begin * K_CHUNKS).to(tl.int64) * BLOCK_N * row_w
-                prefetch_l2(start, tl.minimum(n_iters * K_CHUNKS * BLOCK_N * row_w * 4, PREFETCH))
+                prefetch_l2(start, tl.minimum(n_iters * K_CHUNKS * BLOCK_N * row_w * (1 if FMA and FMT == 1 else 4),
+                                              PREFETCH))
         gdc_wait()
         gdc_launch_dependents()
     if expert >= 0:
@@ -246,7 +249,7 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                 x_rows = a_ptr + offs_m.to(tl.int64) * stride_am + col * stride_acol  # masked where col < 0
                 acc = stream_rows(x_rows, chosen, w_rows, s_rows, it_begin * (K_CHUNKS * BLOCK_K), n_iters,
                                   FMT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, DOT_FP32, PTX, K_CHUNKS,
-                                  BLOCK_N if TILED else 0)
+                                  BLOCK_N if TILED else 0, FMA)
                 y_ptrs = (y_ptr + tl.program_id(2) * stride_ysplit + offs_m.to(tl.int64)[:, None] * stride_ym
                           + col[:, None] * stride_ycol + offs_n[None, :])
                 tl.store(y_ptrs, acc, mask=chosen[:, None] & (offs_n[None, :] < hidden))
@@ -324,11 +327,13 @@ class _Weights:
                 self.ss.stride(row), *tile)
 
 
-def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool) -> _Weights:
+def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool,
+                    fma: bool = False) -> _Weights:
     fmt = table.fmt
-    wk = as_kernel_operand(table.w, fmt, name, ptx)
+    ptx = ptx and not fma
+    wk = as_kernel_operand(table.w, fmt, name, ptx, native=fma)
     sk = table.scale if table.scale is not None else wk
-    swk = wk if shared is None else as_kernel_operand(shared.w, fmt, f"shared_{name}", ptx)
+    swk = wk if shared is None else as_kernel_operand(shared.w, fmt, f"shared_{name}", ptx, native=fma)
     ssk = sk if shared is None else (shared.scale if shared.scale is not None else swk)
     return _Weights(fmt, table.tiles is not None, wk, sk, swk, ssk, inter_shared)
 
@@ -340,7 +345,8 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
-                  SHARED_ONLY=shared_only, BLOCK_M=TOKEN_BLOCK, DOT_FP32=h.device.type != "cuda", PDL=pdl)
+                  SHARED_ONLY=shared_only, BLOCK_M=1 if t13.fma else TOKEN_BLOCK, DOT_FP32=h.device.type != "cuda",
+                  PDL=pdl, FMA=t13.fma)
     i_tiles = triton.cdiv(inter_max, t13.block_n)
     counters = split_counters(h.device, slots * i_tiles) if t13.split > 1 else None
     if t13.split > 1 and counters is None:
@@ -353,13 +359,14 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
         h.stride(0), *w13.strides(), a.stride(0), a.stride(1), part.stride(0),
         part.stride(1) if part.dim() == 4 else 0, part.stride(2) if part.dim() == 4 else 0,
         float(alpha), float(limit), FMT=w13.fmt, BLOCK_I=t13.block_n, BLOCK_K=t13.block_k, SWAP_AB=t13.swap_ab,
-        PTX=mxfp4_ptx(w13.fmt, t13.ptx, h.device), K_CHUNKS=t13.k_chunks, SPLIT=t13.split,
+        PTX=mxfp4_ptx(w13.fmt, t13.ptx, h.device) and not t13.fma, K_CHUNKS=t13.k_chunks, SPLIT=t13.split,
         SPLIT_POW2=triton.next_power_of_2(t13.split), TILED=w13.tiled,
         num_warps=t13.num_warps, num_stages=t13.num_stages, launch_pdl=pdl, **common)
     _moe_w2_kernel[(slots, triton.cdiv(hidden, t2.block_n), t2.split)](
         a, ids, w2.w, w2.s, w2.sw, w2.ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
         a.stride(0), a.stride(1), *w2.strides(), y.stride(0), y.stride(1), y.stride(2),
-        FMT=w2.fmt, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, SWAP_AB=t2.swap_ab, PTX=mxfp4_ptx(w2.fmt, t2.ptx, h.device),
+        FMT=w2.fmt, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, SWAP_AB=t2.swap_ab,
+        PTX=mxfp4_ptx(w2.fmt, t2.ptx, h.device) and not t2.fma,
         K_CHUNKS=t2.k_chunks, SPLIT=t2.split, TILED=w2.tiled, PREFETCH=PREFETCH_BYTES if pdl else 0,
         num_warps=t2.num_warps, num_stages=t2.num_stages, launch_pdl=pdl, **common)
 
@@ -425,8 +432,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     inter_max = max(inter, inter_shared) if merge else inter
     if tiles is None:
         k2 = math.gcd(inter, inter_shared) if merge else inter  # BLOCK_K must divide both
-        t13 = expert_tiles(t13_w.fmt, hidden, 2 * inter_max, slots, True, sms)
-        t2 = expert_tiles(t2_w.fmt, k2, hidden, slots, False, sms)
+        t13 = expert_tiles(t13_w.fmt, hidden, 2 * inter_max, slots, True, sms, n_tokens=n)
+        t2 = expert_tiles(t2_w.fmt, k2, hidden, slots, False, sms, n_tokens=n)
     else:
         t13, t2 = tiles
     t13, t2 = _with_tiles(t13, t13_w), _with_tiles(t2, t2_w)
@@ -442,22 +449,24 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if t13.split > 1:
         part = torch.empty(t13.split, n, y.shape[2], 2 * inter_max, dtype=torch.float32, device=h.device)
     ptx13, ptx2 = mxfp4_ptx(t13_w.fmt, t13.ptx, h.device), mxfp4_ptx(t2_w.fmt, t2.ptx, h.device)
-    kw13 = _kernel_weights(t13_w, s13 if merge else None, inter_shared, "w13", ptx13)
-    kw2 = _kernel_weights(t2_w, s2 if merge else None, inter_shared, "w2", ptx2)
+    kw13 = _kernel_weights(t13_w, s13 if merge else None, inter_shared, "w13", ptx13, t13.fma)
+    kw2 = _kernel_weights(t2_w, s2 if merge else None, inter_shared, "w2", ptx2, t2.fma)
     _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
                     shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
                     alpha=alpha, limit=limit, pdl=pdl)
     if separate and not merge:
-        st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms), s13)
+        st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms, n_tokens=n), s13)
         st2 = dataclasses.replace(_with_tiles(expert_tiles(s2.fmt, inter_shared, hidden, 1, False, sms,
-                                                           can_split=False), s2),
+                                                           can_split=False, n_tokens=n), s2),
                                   split=t2.split)  # the combine sums every column over t2.split splits
         a_shared = torch.empty(n, y.shape[2], inter_shared, dtype=torch.bfloat16, device=h.device)
         spart = None
         if st13.split > 1:
             spart = torch.empty(st13.split, n, y.shape[2], 2 * inter_shared, dtype=torch.float32, device=h.device)
-        _launch_experts(h, ids, _kernel_weights(s13, None, inter_shared, "shared_w13", mxfp4_ptx(s13.fmt, None, h.device)),
-                        _kernel_weights(s2, None, inter_shared, "shared_w2", mxfp4_ptx(s2.fmt, None, h.device)),
+        _launch_experts(h, ids, _kernel_weights(s13, None, inter_shared, "shared_w13",
+                                                mxfp4_ptx(s13.fmt, None, h.device), st13.fma),
+                        _kernel_weights(s2, None, inter_shared, "shared_w2", mxfp4_ptx(s2.fmt, None, h.device),
+                                        st2.fma),
                         a_shared, y, spart, slots=1, inter=inter_shared, n_routed=num_routed_experts,
                         shared_slot=False, shared_separate=False, shared_only=True, t13=st13, t2=st2,
                         alpha=alpha, limit=limit, pdl=pdl)
@@ -485,8 +494,8 @@ def dense_mlp(h: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     if n == 0:
         return out
     sms = num_sms(h.device)
-    t13 = _with_tiles(expert_tiles(t13_w.fmt, hidden, 2 * inter, 1, True, sms), t13_w)
-    t2 = _with_tiles(expert_tiles(t2_w.fmt, inter, hidden, 1, False, sms), t2_w)
+    t13 = _with_tiles(expert_tiles(t13_w.fmt, hidden, 2 * inter, 1, True, sms, n_tokens=n), t13_w)
+    t2 = _with_tiles(expert_tiles(t2_w.fmt, inter, hidden, 1, False, sms, n_tokens=n), t2_w)
     t13 = dataclasses.replace(t13, k_chunks=fit_chunks(hidden, t13.block_k, t13.k_chunks))
     t2 = dataclasses.replace(t2, k_chunks=fit_chunks(inter, t2.block_k, t2.k_chunks))
     ids = torch.empty(n, 0, dtype=torch.int32, device=h.device)
@@ -495,8 +504,8 @@ def dense_mlp(h: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None
     part = None
     if t13.split > 1:
         part = torch.empty(t13.split, n, 1, 2 * inter, dtype=torch.float32, device=h.device)
-    _launch_experts(h, ids, _kernel_weights(t13_w, None, inter, "w13", mxfp4_ptx(t13_w.fmt, t13.ptx, h.device)),
-                    _kernel_weights(t2_w, None, inter, "w2", mxfp4_ptx(t2_w.fmt, t2.ptx, h.device)), a, y, part,
+    _launch_experts(h, ids, _kernel_weights(t13_w, None, inter, "w13", mxfp4_ptx(t13_w.fmt, t13.ptx, h.device), t13.fma),
+                    _kernel_weights(t2_w, None, inter, "w2", mxfp4_ptx(t2_w.fmt, t2.ptx, h.device), t2.fma), a, y, part,
                     slots=1, inter=inter, n_routed=0, shared_slot=False, shared_separate=False, shared_only=True,
                     t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
     _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
@@ -522,11 +531,11 @@ def _launch_tiles(hidden: int, inter: int, n_routed: int, top_k: int, fmt: int, 
     """The (w13, w2) tiles moe_experts picks for an n-token step (as in the wrapper)."""
     shared_slot, _, shared_only = _MODES[mode]
     if shared_only:
-        t13 = expert_tiles(fmt, hidden, 2 * inter, 1, True, 132)
-        return t13, expert_tiles(fmt, inter, hidden, 1, False, 132, can_split=False)
+        t13 = expert_tiles(fmt, hidden, 2 * inter, 1, True, 132, n_tokens=n)
+        return t13, expert_tiles(fmt, inter, hidden, 1, False, 132, can_split=False, n_tokens=n)
     slots = min(n_routed, n * top_k) + int(shared_slot)
-    return (expert_tiles(fmt, hidden, 2 * inter, slots, True, 132),
-            expert_tiles(fmt, inter, hidden, slots, False, 132))
+    return (expert_tiles(fmt, hidden, 2 * inter, slots, True, 132, n_tokens=n),
+            expert_tiles(fmt, inter, hidden, slots, False, 132, n_tokens=n))
 
 
 def _expert_specs(hidden: int, inter: int, n_routed: int, top_k: int, fmt: int, mode: str, t13: ExpertTiles,
@@ -534,12 +543,13 @@ def _expert_specs(hidden: int, inter: int, n_routed: int, top_k: int, fmt: int, 
     shared_slot, shared_separate, shared_only = _MODES[mode]
     common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
               "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
-              "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "FMT": fmt, "BLOCK_M": TOKEN_BLOCK,
-              "DOT_FP32": False, "PTX": ptx, "TILED": tiled, "PDL": pdl}
+              "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "FMT": fmt,
+              "BLOCK_M": 1 if t13.fma else TOKEN_BLOCK, "DOT_FP32": False, "PTX": ptx and not t13.fma, "TILED": tiled,
+              "PDL": pdl, "FMA": t13.fma}
     label = (f"{FORMAT_NAMES[fmt]}{'_ptx' if ptx else ''}{'_tiled' if tiled else ''}{'_pdl' if pdl else ''}"
              f"_h{hidden}_{mode}")
     targets = ("cuda",) if (ptx or pdl) else ()
-    w_ptr = "*u8" if ptx else POINTER_TYPES[fmt]
+    w_ptr = "*u8" if ptx and not t13.fma else "*fp8e4nv" if t13.fma and fmt == FMT_MXFP8 else POINTER_TYPES[fmt]
     s_ptr = "*u8" if fmt != FMT_BF16 else w_ptr
     weights = {"w_ptr": w_ptr, "s_ptr": s_ptr, "sw_ptr": w_ptr, "ss_ptr": s_ptr}
     strides = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_sn", "stride_swn", "stride_ssn",

@@ -203,7 +203,7 @@ def _mma(acc, x, w, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
 def stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
                  FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 TILE_N: tl.constexpr):
+                 TILE_N: tl.constexpr, FMA: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = x[:, k] @ dequant(W[:, k])^T over k in [k_begin, k_begin + n_iters*STEP),
     STEP = K_CHUNKS * BLOCK_K: each loop step loads K_CHUNKS consecutive [BLOCK_N, BLOCK_K] tiles
     (so every weight row is read in runs of STEP values: fewer, longer DRAM bursts per row) and
@@ -213,9 +213,16 @@ def stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
     s_rows [BLOCK_N] are weight / scale row base pointers. Tiled layouts: they point at the rows of
     the K-tile 0 of their tile rows (TILE_N rows a tile; BLOCK_N may cover several tile rows), and
     each BLOCK_K step moves one whole tile. W is bf16 elements, int32 words of an MX format, or
-    MXFP4 bytes with PTX."""
+    MXFP4 bytes with PTX.
+
+    FMA (one token row, BLOCK_M = 1): no tensor cores; each value is decoded to fp32 and
+    multiply-added on the CUDA cores (MXFP8 as fp8 elements through the hardware conversion, its
+    scale applied once per 32-value group), which at one token costs fewer instructions per
+    weight byte than staging decoded tiles for the MMA."""
     if FMT == 0:
         ROW_ELEMS: tl.constexpr = BLOCK_K
+    elif FMA and FMT == 1:
+        ROW_ELEMS: tl.constexpr = BLOCK_K  # fp8 elements (as_kernel_operand(native=True))
     elif PTX:
         ROW_ELEMS: tl.constexpr = BLOCK_K // 2
     else:
@@ -230,25 +237,48 @@ def stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
     x_ptrs = x_rows[:, None] + (k_begin + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs = w_rows[:, None] + ((k_begin // BLOCK_K) * W_STEP + tl.arange(0, ROW_ELEMS))[None, :]
     s_ptrs = s_rows[:, None] + ((k_begin // BLOCK_K) * S_STEP + tl.arange(0, GROUPS))[None, :]
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if FMA:
+        row = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for _ in range(n_iters):
+            for c in tl.static_range(K_CHUNKS):
+                x = tl.load(x_ptrs + c * BLOCK_K, mask=x_mask[:, None], other=0.0).to(tl.float32)  # [1, BK]
+                if FMT == 1:
+                    w = tl.load(w_ptrs + c * W_STEP).to(tl.float32)
+                    part = tl.sum(tl.reshape(w * x, [BLOCK_N, GROUPS, 32]), axis=2)
+                    sc = (tl.minimum(tl.load(s_ptrs + c * S_STEP).to(tl.uint32), 254) << 23).to(tl.float32,
+                                                                                              bitcast=True)
+                    row += tl.sum(part * sc, axis=1)
+                else:
+                    w = _load_weights(w_ptrs + c * W_STEP, s_ptrs + c * S_STEP, FMT, BLOCK_N, BLOCK_K, True, False)
+                    row += tl.sum(w.to(tl.float32) * x, axis=1)
+            x_ptrs += K_CHUNKS * BLOCK_K
+            w_ptrs += K_CHUNKS * W_STEP
+            s_ptrs += K_CHUNKS * S_STEP
+        acc = row[None, :]
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(n_iters):
-        for c in tl.static_range(K_CHUNKS):
-            x = tl.load(x_ptrs + c * BLOCK_K, mask=x_mask[:, None], other=0.0)
-            w = _load_weights(w_ptrs + c * W_STEP, s_ptrs + c * S_STEP, FMT, BLOCK_N, BLOCK_K, DOT_FP32, PTX)
-            acc = _mma(acc, x, w, SWAP_AB, DOT_FP32)
-        x_ptrs += K_CHUNKS * BLOCK_K
-        w_ptrs += K_CHUNKS * W_STEP
-        s_ptrs += K_CHUNKS * S_STEP
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for _ in range(n_iters):
+            for c in tl.static_range(K_CHUNKS):
+                x = tl.load(x_ptrs + c * BLOCK_K, mask=x_mask[:, None], other=0.0)
+                w = _load_weights(w_ptrs + c * W_STEP, s_ptrs + c * S_STEP, FMT, BLOCK_N, BLOCK_K, DOT_FP32, PTX)
+                acc = _mma(acc, x, w, SWAP_AB, DOT_FP32)
+            x_ptrs += K_CHUNKS * BLOCK_K
+            w_ptrs += K_CHUNKS * W_STEP
+            s_ptrs += K_CHUNKS * S_STEP
+        if SWAP_AB:
+            acc = tl.trans(acc)
     return acc
 
 
-def as_kernel_operand(weight: torch.Tensor, fmt: int, name: str = "weight", ptx: bool = False) -> torch.Tensor:
-    # (any layout of formats.LAYOUTS: only the last dimension is reinterpreted)
+def as_kernel_operand(weight: torch.Tensor, fmt: int, name: str = "weight", ptx: bool = False,
+                      native: bool = False) -> torch.Tensor:
+    # (any layout of formats.LAYOUTS: only the last dimension is reinterpreted; native: MXFP8 as
+    # its fp8 elements, for the FMA path's hardware conversion)
+    if native and fmt == FMT_MXFP8:
+        return weight
     """The tensor the kernels index: bf16 as is; MX formats as int32 words along K, or as raw
     bytes for the PTX decode."""
     if weight.stride(-1) != 1:

@@ -33,7 +33,7 @@ def _mx_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
                       FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, PTX: tl.constexpr, K_CHUNKS: tl.constexpr,
                       SPLIT_MODE: tl.constexpr, SPLIT_POW2: tl.constexpr, TILED: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr, FMA: tl.constexpr):
     """Grid (N tiles, K splits, M tiles). y [M, N] = out; fp32 partials [n_split, M, N] = part.
     iters_* count steps of K_CHUNKS * BLOCK_K. Row layouts: stride_wn / stride_sn are row strides
     (stride_wt, stride_st unused); tiled: stride_wt / stride_st step one tile row (BLOCK_N rows) and
@@ -59,13 +59,13 @@ def _mx_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
     if PDL:
         if TILED and PREFETCH > 0:
             start = w_ptr + pid_n.to(tl.int64) * stride_wt + (it_begin * K_CHUNKS).to(tl.int64) * BLOCK_N * stride_wn
-            slice_bytes = n_iters * K_CHUNKS * BLOCK_N * stride_wn * 4
+            slice_bytes = n_iters * K_CHUNKS * BLOCK_N * stride_wn * (1 if FMA and FMT == 1 else 4)
             prefetch_l2(start, tl.minimum(slice_bytes, PREFETCH))
         gdc_wait()
         gdc_launch_dependents()
     acc = stream_rows(x_ptr + offs_m.to(tl.int64) * stride_xm, offs_m < M, w_rows, s_rows,
                       it_begin * (K_CHUNKS * BLOCK_K), n_iters, FMT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, DOT_FP32, PTX,
-                      K_CHUNKS, BLOCK_N if TILED else 0)
+                      K_CHUNKS, BLOCK_N if TILED else 0, FMA)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT_MODE == 0:
@@ -104,8 +104,9 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     cfg = config or gemv_config(fmt, m, n, k, num_sms(x.device))
     if lw.tiles is not None:
         cfg = dataclasses.replace(cfg, block_n=lw.tiles[0], block_k=lw.tiles[1])
-    ptx = mxfp4_ptx(fmt, cfg.ptx, x.device)
-    w = as_kernel_operand(weight, fmt, ptx=ptx)
+    fma = cfg.fma and m == 1 and cfg.block_m == 1
+    ptx = mxfp4_ptx(fmt, cfg.ptx, x.device) and not fma
+    w = as_kernel_operand(weight, fmt, ptx=ptx, native=fma)
     s = scale if scale is not None else w  # unused by the bf16 kernel; any pointer keeps it typed
     chunks = cfg.k_chunks
     while chunks > 1 and k % (cfg.block_k * chunks):
@@ -125,7 +126,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         out.stride(0),
         FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab,
         DOT_FP32=x.device.type != "cuda", PTX=ptx, K_CHUNKS=chunks, SPLIT_MODE=mode,
-        SPLIT_POW2=triton.next_power_of_2(split), TILED=tiled, PDL=pdl, PREFETCH=PREFETCH_BYTES if pdl else 0,
+        SPLIT_POW2=triton.next_power_of_2(split), TILED=tiled, PDL=pdl, PREFETCH=PREFETCH_BYTES if pdl else 0, FMA=fma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     if mode == SPLIT_PARTIALS:
         splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
@@ -142,7 +143,7 @@ AOT_SHAPES = [(1, 448, 64), (20, 192, 64), (1, 9856, 6144), (16, 24576, 6144)]
 
 def _linear_spec(fmt: int, cfg: GemvConfig, split_mode: int, split_pow2: int, ptx: bool = False, tiled: bool = False,
                  pdl: bool = False) -> KernelSpec:
-    w_type = "*u8" if ptx else POINTER_TYPES[fmt]
+    w_type = "*u8" if ptx else "*fp8e4nv" if cfg.fma and fmt == FMT_MXFP8 else POINTER_TYPES[fmt]
     return KernelSpec(
         _mx_linear_kernel,
         {"x_ptr": "*bf16", "w_ptr": w_type, "s_ptr": "*u8" if fmt else "*bf16", "out_ptr": "*bf16",
@@ -152,7 +153,8 @@ def _linear_spec(fmt: int, cfg: GemvConfig, split_mode: int, split_pow2: int, pt
          "stride_om": "i32"},
         {"FMT": fmt, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
          "SWAP_AB": cfg.swap_ab, "DOT_FP32": False, "PTX": ptx, "K_CHUNKS": cfg.k_chunks, "SPLIT_MODE": split_mode,
-         "SPLIT_POW2": split_pow2, "TILED": tiled, "PDL": pdl, "PREFETCH": PREFETCH_BYTES if pdl else 0},
+         "SPLIT_POW2": split_pow2, "TILED": tiled, "PDL": pdl, "PREFETCH": PREFETCH_BYTES if pdl else 0,
+         "FMA": cfg.fma},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, targets=("cuda",) if (ptx or pdl) else (),
         name=f"mx_linear_{FORMAT_NAMES[fmt]}{'_ptx' if ptx else ''}{'_tiled' if tiled else ''}{'_pdl' if pdl else ''}"
              f"_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}x{cfg.k_chunks}_w{cfg.num_warps}s{cfg.num_stages}"
@@ -169,6 +171,8 @@ def _linear_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[Ker
     for m, n, k in (AOT_SHAPES[2:] if tiled else AOT_SHAPES):
         for fmt in formats:
             cfg = gemv_config(fmt, m, n, k)
+            if ptx and cfg.fma:  # one-token launches decode portably (no PTX there)
+                continue
             iters = k // (cfg.block_k * cfg.k_chunks)
             split = triton.cdiv(iters, triton.cdiv(iters, max(1, min(cfg.split_k, iters))))
             modes = [SPLIT_NONE] if split == 1 else [SPLIT_FUSED, SPLIT_PARTIALS]

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
 
 from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
 
+# The one-token CUDA-core path (GemvConfig.fma); MINIMAX_OPS_NO_FMA=1 keeps the MMA path everywhere.
+FMA_ENABLED = os.environ.get("MINIMAX_OPS_NO_FMA") != "1"
 DEFAULT_SMS = 132  # an H200; used where no GPU can be asked (CPU / interpreter)
 TOKEN_BLOCK = 16  # token rows per tl.dot tile (a step's tokens, padded)
 
@@ -29,7 +32,7 @@ class GemvConfig:
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever use_ptx(device) allows
     fused_reduce: bool = True  # split-K: the last split program of a tile sums the partials
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (longer runs of each weight row per step)
-
+    fma: bool = False  # one token (block_m 1): CUDA-core multiply-adds instead of the MMA (stream_rows)
 
 
 # Per format: (BLOCK_N, largest BLOCK_K, num_warps, num_stages, K chunks per step). MXFP8 from
@@ -64,11 +67,19 @@ def block_m_for(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+# One-token steps: the FMA path's tiles (rows, largest BLOCK_K, warps, stages), per format.
+_FMA_TILES = {FMT_BF16: (16, 256, 4, 3), FMT_MXFP8: (32, 256, 4, 3), FMT_MXFP4: (32, 256, 4, 3),
+              FMT_MXFP4_WORDS: (32, 256, 4, 3)}
+
+
 def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemvConfig:
     """Tiles for one GEMV: the format's tile, K split (at most _MAX_SPLIT ways) until ~4 programs
     per SM stream."""
     block_n, cap_k, warps, stages, chunks = _TILES[fmt]
-    block_m = block_m_for(m)
+    fma = m == 1 and FMA_ENABLED
+    if fma:
+        block_n, cap_k, warps, stages = _FMA_TILES[fmt]
+    block_m = 1 if fma else block_m_for(m)
     block_k = block_k_for(k, cap_k)
     while chunks > 1 and k % (block_k * chunks):
         chunks //= 2
@@ -81,7 +92,7 @@ def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Gem
         options = [d for d in range(1, min(iters, _MAX_SPLIT) + 1)
                    if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
         split = next((d for d in options if tiles * d >= target), options[-1])
-    return GemvConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=stages, k_chunks=chunks)
+    return GemvConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=stages, k_chunks=chunks, fma=fma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +105,7 @@ class ExpertTiles:
     swap_ab: bool = True
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever mx_linear.use_ptx allows
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (see mx_linear.stream_rows)
+    fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -116,11 +128,21 @@ _MIN_ITERS_PER_SPLIT = 4
 COMBINE_BLOCK = 1024
 
 
+# One-token steps (the FMA path): per format, (w13, w2) rows and largest BLOCK_K (4 warps, 3 stages).
+_FMA_EXPERT_TILES = {FMT_BF16: ((32, 128), (32, 128)), FMT_MXFP8: ((64, 128), (64, 128)),
+                     FMT_MXFP4: ((64, 128), (64, 128)), FMT_MXFP4_WORDS: ((64, 128), (64, 128))}
+
+
 def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: int,
-                 can_split: bool = True) -> ExpertTiles:
+                 can_split: bool = True, n_tokens: int = 16) -> ExpertTiles:
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
-    K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM."""
+    K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
+    A one-token step takes the FMA path's tiles."""
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
+    fma = n_tokens == 1 and FMA_ENABLED
+    if fma:
+        rows, cap_k = _FMA_EXPERT_TILES[fmt][0 if w13 else 1]
+        chunks = 1
     rows = max(32 if w13 else 16, min(rows, triton.next_power_of_2(rows_total)))  # tiny models: no idle rows
     block_k = block_k_for(k, cap_k)
     chunks = fit_chunks(k, block_k, chunks)
@@ -131,7 +153,7 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
         options = [d for d in range(1, iters + 1) if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
         target = _EXPERT_MIN_PROGRAMS[0 if w13 else 1] * sms
         split = next((d for d in options if tiles * d >= target), options[-1])
-    return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks)
+    return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks, fma=fma)
 
 
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
