@@ -87,7 +87,7 @@ def gemv_config(fmt: int, m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> Gem
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
     target = _PROGRAMS_PER_SM * sms
-    if tiles < target // 2:
+    if tiles < (target if fma else target // 2):  # one-token programs are short: split sooner
         # Splits that divide the K steps evenly, each with at least a few steps.
         options = [d for d in range(1, min(iters, _MAX_SPLIT) + 1)
                    if iters % d == 0 and iters // d >= _MIN_ITERS_PER_SPLIT] or [1]
