@@ -141,8 +141,8 @@ def test_fused_op_capture_and_replay(name, layer_idx):
     assert sum(after_capture.values()) == sum(calls.values()) + 1
 
 
-@pytest.mark.parametrize("name", ["tiny", "real2"])
-def test_compiled_model_with_pass_full_cuda_graph(name):
+@pytest.mark.parametrize("name,layout", [("tiny", "canonical"), ("real2", "canonical"), ("real2", "kernel")])
+def test_compiled_model_with_pass_full_cuda_graph(name, layout):
     """torch.compile + the pass, captured whole in a CUDA graph, replays decode steps that match the
     eager reference; the fused op is in the graph and its Python does not run per replay."""
     from graph_passes import MiniMaxM3DecodePass
@@ -154,8 +154,8 @@ def test_compiled_model_with_pass_full_cuda_graph(name):
         fmts = dict(linear_format="mxfp8", expert_format="mxfp4")
     g = torch.Generator().manual_seed(3)
     weights = random_model_weights(cfg, generator=g, device="cuda", **fmts)
-    # The real-size model serves tiled weights (what a deployment loads); the reference reads the canonical ones.
-    model = MiniMaxM3ForCausalLM(cfg, model_to_kernel_layout(weights) if name != "tiny" else weights).cuda()
+    # The model holds its weights in `layout` (kernel: what a deployment loads); the reference reads the canonical ones.
+    model = MiniMaxM3ForCausalLM(cfg, model_to_kernel_layout(weights) if layout == "kernel" else weights).cuda()
     bs = cfg.sparse_block_size
     prompts = [40, 23] if name == "tiny" else [300, 200]
     blocks = sum(-(-(p + 8) // bs) for p in prompts) + 4

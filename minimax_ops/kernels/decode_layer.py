@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
+from ..reference import swiglu_oai
+
 from . import attention, index_topk, moe, mx_linear, norm, qk_norm_rope, router
 
 
@@ -70,7 +74,9 @@ def _moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared
 
 
 def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit):
-    return moe.dense_mlp(h, w13, w13_scale, w2, w2_scale, alpha=alpha, limit=limit, pdl=True)
+    # The SwiGLU between the projections is a torch op: the PDL chain restarts after it.
+    gate, up = mx_linear.mx_linear(h, w13, w13_scale, out_dtype=torch.float32, pdl=True).chunk(2, dim=-1)
+    return mx_linear.mx_linear(swiglu_oai(gate, up, alpha, limit).to(torch.bfloat16), w2, w2_scale, pdl=True)
 
 
 KERNEL_STAGES = SimpleNamespace(

@@ -477,44 +477,6 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return out
 
 
-def dense_mlp(h: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
-              w2_scale: torch.Tensor | None, *, alpha: float = 1.702, limit: float = 7.0,
-              pdl: bool = False) -> torch.Tensor:
-    """A dense SwiGLU-OAI MLP (w13 [2I, H] gate rows then up rows, w2 [H, I], any layout) through the
-    expert kernels as a one-expert shared-only launch: w13 + SwiGLU, w2, then the combine."""
-    check_rows("h", h, shape="[n, H]", dim="H")
-    n, hidden = h.shape
-    pdl = pdl and pdl_supported(h.device)
-    t13_w = _expert_table("w13", w13, w13_scale, 1, None, hidden)
-    if t13_w.rows % 2:
-        raise ValueError(f"w13: expected 2*I rows (gate then up), got {t13_w.rows}")
-    inter = t13_w.rows // 2
-    t2_w = _expert_table("w2", w2, w2_scale, 1, hidden, inter)
-    out = torch.empty(n, hidden, dtype=torch.bfloat16, device=h.device)
-    if n == 0:
-        return out
-    sms = num_sms(h.device)
-    t13 = _with_tiles(expert_tiles(t13_w.fmt, hidden, 2 * inter, 1, True, sms, n_tokens=n), t13_w)
-    t2 = _with_tiles(expert_tiles(t2_w.fmt, inter, hidden, 1, False, sms, n_tokens=n), t2_w)
-    t13 = dataclasses.replace(t13, k_chunks=fit_chunks(hidden, t13.block_k, t13.k_chunks))
-    t2 = dataclasses.replace(t2, k_chunks=fit_chunks(inter, t2.block_k, t2.k_chunks))
-    ids = torch.empty(n, 0, dtype=torch.int32, device=h.device)
-    y = torch.empty(t2.split, n, 1, hidden, dtype=torch.float32, device=h.device)
-    a = torch.empty(n, 1, inter, dtype=torch.bfloat16, device=h.device)
-    part = None
-    if t13.split > 1:
-        part = torch.empty(t13.split, n, 1, 2 * inter, dtype=torch.float32, device=h.device)
-    _launch_experts(h, ids, _kernel_weights(t13_w, None, inter, "w13", mxfp4_ptx(t13_w.fmt, t13.ptx, h.device), t13.fma),
-                    _kernel_weights(t2_w, None, inter, "w2", mxfp4_ptx(t2_w.fmt, t2.ptx, h.device), t2.fma), a, y, part,
-                    slots=1, inter=inter, n_routed=0, shared_slot=False, shared_separate=False, shared_only=True,
-                    t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
-    _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
-        y, y, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
-        NUM_ROUTED=0, TOPK=0, HAS_SHARED=True, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split, PDL=pdl, num_warps=4,
-        launch_pdl=pdl)
-    return out
-
-
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
 
 # (H, I, routed experts, top-k): the tiny preset and the real model.

@@ -324,8 +324,9 @@ def mlp(h: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor, w2_scale: 
     check_linear("w13", h, w13, w13_scale)
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
     if use_kernels(h):
-        from ..kernels.moe import dense_mlp
-        return dense_mlp(h, w13, w13_scale, w2, w2_scale, alpha=alpha, limit=limit)
+        from ..kernels.mx_linear import mx_linear as kernel
+        gate, up = kernel(h, w13, w13_scale, out_dtype=torch.float32).chunk(2, dim=-1)
+        return kernel(ref.swiglu_oai(gate, up, alpha, limit).to(BF16), w2, w2_scale)
     return ref.mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit).to(BF16)
 
 
