@@ -330,7 +330,7 @@ class _Weights:
 def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool,
                     fma: bool = False) -> _Weights:
     fmt = table.fmt
-    ptx = ptx and not fma
+    ptx = ptx and not fma and table.tiles is None  # tiled tables: portable decode
     wk = as_kernel_operand(table.w, fmt, name, ptx, native=fma)
     sk = table.scale if table.scale is not None else wk
     swk = wk if shared is None else as_kernel_operand(shared.w, fmt, f"shared_{name}", ptx, native=fma)
@@ -359,14 +359,14 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
         h.stride(0), *w13.strides(), a.stride(0), a.stride(1), part.stride(0),
         part.stride(1) if part.dim() == 4 else 0, part.stride(2) if part.dim() == 4 else 0,
         float(alpha), float(limit), FMT=w13.fmt, BLOCK_I=t13.block_n, BLOCK_K=t13.block_k, SWAP_AB=t13.swap_ab,
-        PTX=mxfp4_ptx(w13.fmt, t13.ptx, h.device) and not t13.fma, K_CHUNKS=t13.k_chunks, SPLIT=t13.split,
+        PTX=mxfp4_ptx(w13.fmt, t13.ptx, h.device) and not t13.fma and not w13.tiled, K_CHUNKS=t13.k_chunks, SPLIT=t13.split,
         SPLIT_POW2=triton.next_power_of_2(t13.split), TILED=w13.tiled,
         num_warps=t13.num_warps, num_stages=t13.num_stages, launch_pdl=pdl, **common)
     _moe_w2_kernel[(slots, triton.cdiv(hidden, t2.block_n), t2.split)](
         a, ids, w2.w, w2.s, w2.sw, w2.ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
         a.stride(0), a.stride(1), *w2.strides(), y.stride(0), y.stride(1), y.stride(2),
         FMT=w2.fmt, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k, SWAP_AB=t2.swap_ab,
-        PTX=mxfp4_ptx(w2.fmt, t2.ptx, h.device) and not t2.fma,
+        PTX=mxfp4_ptx(w2.fmt, t2.ptx, h.device) and not t2.fma and not w2.tiled,
         K_CHUNKS=t2.k_chunks, SPLIT=t2.split, TILED=w2.tiled, PREFETCH=PREFETCH_BYTES if pdl else 0,
         num_warps=t2.num_warps, num_stages=t2.num_stages, launch_pdl=pdl, **common)
 

@@ -105,7 +105,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     if lw.tiles is not None:
         cfg = dataclasses.replace(cfg, block_n=lw.tiles[0], block_k=lw.tiles[1])
     fma = cfg.fma and m == 1 and cfg.block_m == 1
-    ptx = mxfp4_ptx(fmt, cfg.ptx, x.device) and not fma
+    ptx = mxfp4_ptx(fmt, cfg.ptx, x.device) and not fma and lw.tiles is None  # tiled: portable decode
     w = as_kernel_operand(weight, fmt, ptx=ptx, native=fma)
     s = scale if scale is not None else w  # unused by the bf16 kernel; any pointer keeps it typed
     chunks = cfg.k_chunks
