@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from minimax_ops.ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
 
 from .fx_utils import arg, insert_functional_call, is_op, mutated_output, only_users, outputs
 

@@ -20,7 +20,7 @@ from minimax_ops.cache import allocate_caches, build_step
 from minimax_ops.config import SPARSE_MOE, preset
 from minimax_ops.constants import MAX_TOKENS
 from minimax_ops.model import MiniMaxM3DecoderLayer
-from minimax_ops.ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
 from minimax_ops.ops.validate import StepValueError
 from minimax_ops.weights import random_layer_weights
 
