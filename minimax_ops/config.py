@@ -203,7 +203,7 @@ class MiniMaxM3Config:
         return dataclasses.replace(self, **changes)
 
 
-def _tiny(num_layers: int = 3, num_dense: int = 1) -> MiniMaxM3Config:
+def _tiny(num_layers: int = 3, num_dense: int = 1, **changes) -> MiniMaxM3Config:
     flags = (0,) * num_dense + (1,) * (num_layers - num_dense)
     return MiniMaxM3Config(
         vocab_size=256, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=8,
@@ -211,13 +211,16 @@ def _tiny(num_layers: int = 3, num_dense: int = 1) -> MiniMaxM3Config:
         dense_intermediate_size=96, intermediate_size=32, shared_intermediate_size=32,
         num_local_experts=8, num_experts_per_tok=2, moe_layer_freq=flags,
         sparse_attention_freq=flags, sparse_block_size=16, sparse_topk_blocks=4,
-        sparse_num_index_heads=2, sparse_index_dim=32)
+        sparse_num_index_heads=2, sparse_index_dim=32).replace(**changes)
 
 
 PRESETS = {
     "real": MiniMaxM3Config,  # MiniMaxAI/MiniMax-M3's text config
     "tiny": _tiny,  # 3 layers (1 dense, 2 sparse MoE), 16-token blocks, top-4 blocks
     "tiny2": lambda: _tiny(2, 1),  # 1 dense + 1 sparse MoE layer, for graph snapshots
+    # 2 dense + 2 sparse MoE layers whose shards stay whole MX blocks at TP 2 and 4 (2 kv heads:
+    # split at TP 2, replicated at TP 4)
+    "tiny_tp": lambda: _tiny(4, 2, intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=128),
 }
 
 
