@@ -41,6 +41,8 @@ def _need(cond: bool, reason: str) -> None:
 def _reduced(node: Node, what: str) -> tuple[Node | None, Node]:
     """(the all_reduce taking node, its output) when node's one user is minimax.all_reduce, else (None, node)."""
     reduces = [u for u in node.users if is_op(u, mm.all_reduce.default)]
+    # A tensor-parallel partial sum is kept in fp32 (ops/chain.py); a whole one is bf16.
+    _need(bool(arg(node, "out_fp32")) == bool(reduces), f"{what}: out_fp32 does not match its all-reduce")
     if not reduces:
         return None, node
     _need(len(reduces) == 1 and only_users(node, set(reduces)), f"{what}: all-reduced and also used unreduced")

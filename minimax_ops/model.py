@@ -83,7 +83,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         c = self.config
         heads = (query_len, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta,
                  c.rms_norm_eps)
-        scales = (self.k_scale, self.v_scale)
+        scales = (self.k_scale, self.v_scale, bool(self.group_name))
         if not self.sparse:
             return DenseConsts(*heads, c.swiglu_alpha, c.swiglu_limit, *scales)
         return SparseConsts(*heads, c.sparse_num_index_heads, c.sparse_index_dim, c.sparse_topk_blocks,
@@ -120,7 +120,7 @@ class MiniMaxM3DecoderLayer(nn.Module):
         op = minimax.fused_decode_layer if self.sparse else minimax.fused_dense_decode_layer
         w = self._weights()
         return op(x, residual, *self._step(positions, cache, meta, False), *w.values(),
-                  *self.consts(self._query_len(meta)), layer_index=self.layer_index, group_name=self.group_name)
+                  *self.consts(self._query_len(meta))[:-1], layer_index=self.layer_index, group_name=self.group_name)
 
 
 class MiniMaxM3Model(nn.Module):

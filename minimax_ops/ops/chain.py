@@ -11,8 +11,11 @@ A layer is two halves split at the tensor-parallel all-reduces (m3-decode-spec.m
 
 ``w`` maps the names in SPARSE_WEIGHTS / DENSE_WEIGHTS to tensors (the layer's shard under tensor
 parallelism); ``c`` is a SparseConsts / DenseConsts, whose fields are the fused ops' constant
-arguments in their order. A layer's output is reduced, so the next layer (or the final norm, or a
-pipeline stage boundary) receives whole hidden states.
+arguments in their order, then ``partial``: under tensor parallelism the halves return fp32 partial
+sums (o_proj / FFN ``out_fp32``), and the all-reduce sums them in fp32 and rounds once, so a TP
+result equals the TP 1 result up to fp32 reassociation (bf16 partials would round twice, and a
+flipped top-k choice downstream turns that into a different token). A layer's output is reduced,
+so the next layer (or the final norm, or a pipeline stage boundary) receives whole hidden states.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class SparseConsts(NamedTuple):
     limit: float
     k_scale: float
     v_scale: float
+    partial: bool = False  # not an op argument: fp32 partial sums under tensor parallelism (module docstring)
 
 
 class DenseConsts(NamedTuple):
@@ -62,6 +66,12 @@ class DenseConsts(NamedTuple):
     limit: float
     k_scale: float
     v_scale: float
+    partial: bool = False
+
+
+def _fp32(c) -> tuple:
+    """The out_fp32 argument, given only when set: graphs without tensor parallelism keep their form."""
+    return (True,) if c.partial else ()
 
 
 def _heads(c):
@@ -88,7 +98,7 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
         block_ids = mm.index_topk(index_q, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks)
         attn = mm.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, c.query_len, c.k_scale,
                                           c.v_scale)
-    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"]), residual
+    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
 
 
 def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, w, c: DenseConsts,
@@ -101,7 +111,7 @@ def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens,
                                      c.v_scale)
     else:
         attn = mm.dense_attention_decode(q, kv_cache, block_table, seq_lens, c.query_len, c.k_scale, c.v_scale)
-    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"]), residual
+    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
 
 
 def sparse_ffn(o, residual, w, c: SparseConsts):
@@ -111,18 +121,18 @@ def sparse_ffn(o, residual, w, c: SparseConsts):
     weights, ids = mm.route(h, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling)
     out = mm.moe_experts(h, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"],
                          w["shared_w13_scale"], w["shared_w2"], w["shared_w2_scale"], c.num_routed_experts, c.alpha,
-                         c.limit)
+                         c.limit, *_fp32(c))
     return out, residual
 
 
 def dense_ffn(o, residual, w, c: DenseConsts):
     """Post norm and the dense SwiGLU-OAI MLP -> (out unreduced, residual)."""
     h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
-    return mm.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], c.alpha, c.limit), residual
+    return mm.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], c.alpha, c.limit, *_fp32(c)), residual
 
 
 def all_reduce(x, group_name: str):
-    """The tensor-parallel sum ("" = no tensor parallelism: x itself, and no op in the graph)."""
+    """The tensor-parallel sum, bf16 ("" = no tensor parallelism: x itself, and no op in the graph)."""
     return mm.all_reduce(x, group_name) if group_name else x
 
 

@@ -12,8 +12,9 @@ group is named, never held, so graphs and pickled configs carry only a string, r
   is "0"), through torch's functional collective, on the current stream;
 - "": no tensor parallelism; the model does not call the op then, and the fused ops skip it.
 
-Partial sums arrive in bf16 and are summed in fp32, then rounded once: the sum of a few bf16 values
-is exact in fp32, so the result is the same on every rank and for any reduction order.
+Partial sums arrive in fp32 (the chain's ``out_fp32``; bf16 is accepted too), are summed in fp32
+and rounded to bf16 once: the result is what one rank computing the whole sum would round, up to
+fp32 reassociation, and every rank receives the same bits (one reduction, one rounding).
 No wait here is unbounded: each backend's own timeout applies (the group's ``timeout``).
 """
 
@@ -57,7 +58,7 @@ def reduce_sum(x: Tensor, group_name: str) -> Tensor:
 
 def _check_all_reduce(x: Tensor, group_name: str) -> None:
     check(x.dim() == 2, f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
-    check(x.dtype == torch.bfloat16, f"x: expected dtype torch.bfloat16, got {x.dtype}")
+    check(x.dtype in (torch.float32, torch.bfloat16), f"x: expected dtype torch.float32 or torch.bfloat16, got {x.dtype}")
     check(bool(group_name), "group_name: expected a process group name (or 'vllm:tp'), got ''")
 
 
@@ -65,13 +66,13 @@ def _check_all_reduce(x: Tensor, group_name: str) -> None:
 def all_reduce(x: Tensor, group_name: str) -> Tensor:
     """Sum of x over the ranks of the named group (see the module docstring), bf16."""
     _check_all_reduce(x, group_name)
-    return reduce_sum(x, group_name).to(x.dtype)
+    return reduce_sum(x, group_name).to(torch.bfloat16)
 
 
 @all_reduce.register_fake
 def _(x, group_name):
     _check_all_reduce(x, group_name)
-    return torch.empty_like(x)
+    return torch.empty_like(x, dtype=torch.bfloat16)
 
 
 def any_rank(flag: bool, group_name: str, device: torch.device) -> bool:

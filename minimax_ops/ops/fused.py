@@ -23,7 +23,9 @@ kernel replaces a default by rebinding its name, nothing else changes:
 
 ``w``: the layer's weights by SPARSE_WEIGHTS / DENSE_WEIGHTS name; ``c``: chain.SparseConsts /
 DenseConsts. The attention half writes the caches (k/v at slot_mapping, index_k at
-index_slot_mapping; slot < 0 writes nothing); outputs are bf16 [n, hidden]. Defaults: the
+index_slot_mapping; slot < 0 writes nothing). Outputs are [n, hidden]: residual and o_reduced bf16;
+o_unreduced and out_unreduced bf16, or fp32 partial sums when ``c.partial`` (tensor parallelism:
+fp32 keeps TP results equal to TP 1, as chain.py says). Defaults: the
 vocabulary stages of chain.py, launched back to back inside this one op (one dispatch, one node
 for CUDA graphs), which on CPU run the reference, so all paths agree by construction there.
 
@@ -112,8 +114,11 @@ def _split(kind: str, args: tuple):
     step, rest = args[:n_step], args[n_step:]
     caches, rest = list(rest[:n_caches]), rest[n_caches:]
     w, rest = dict(zip(names, rest[:len(names)])), rest[len(names):]
-    n_consts = len(consts_type._fields)
-    return step, caches, w, consts_type(*rest[:n_consts]), *rest[n_consts:]
+    n_consts = len(consts_type._fields) - len(consts_type._field_defaults)  # the op's constants; not `partial`
+    given, defaults = rest[n_consts:], (-1, False, "")  # a fake may get trailing defaults left out
+    layer_index, checked, group_name = (*given, *defaults[len(given):])
+    consts = consts_type(*rest[:n_consts], partial=bool(group_name))
+    return step, caches, w, consts, layer_index, checked, group_name
 
 
 def _check_call(kind, step, caches, w, c, fallback: bool) -> None:
