@@ -112,7 +112,8 @@ class _DecodeLayerPattern:
         _need(eps_insert == kwargs["eps"], "qk norm eps differs from the layer norm eps")
         out_reduce, out = _reduced(ffn, "FFN output")
         kwargs["group_name"] = _group_name(reduce, out_reduce)
-        nodes = [n for n in (*chain, reduce, out_reduce) if n is not None]
+        order = {n: i for i, n in enumerate(insert.graph.nodes)}
+        nodes = sorted((n for n in (*chain, reduce, out_reduce) if n is not None), key=order.__getitem__)
         return LayerMatch(kind, nodes, out, kwargs, mutated, [out, *replaced])
 
     def _common_kwargs(self, norm, qkv, insert, attn, o, post) -> dict[str, Any]:
