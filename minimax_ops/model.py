@@ -192,13 +192,16 @@ class MiniMaxM3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: StepMetadata, intermediate: dict[str, torch.Tensor] | None = None):
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
+        if len(caches) != len(self.model.layers):
+            raise ValueError(f"caches: expected one per held layer ({len(self.model.layers)}), got {len(caches)}")
         if self.is_first_stage:
             x = self.model.embed_tokens(input_ids)
             residual = torch.zeros_like(x)
+        elif intermediate is None or set(intermediate) != {"hidden_states", "residual"}:
+            raise ValueError("intermediate: a stage after the first needs the previous stage's "
+                             f"{{'hidden_states', 'residual'}}, got {None if intermediate is None else set(intermediate)}")
         else:
             x, residual = intermediate["hidden_states"], intermediate["residual"]
-        if len(caches) != len(self.model.layers):
-            raise ValueError(f"caches: expected one per held layer ({len(self.model.layers)}), got {len(caches)}")
         fused = decode and self.use_fused_ops
         for layer, cache in zip(self.model.layers, caches):
             if fused:

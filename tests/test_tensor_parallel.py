@@ -126,3 +126,95 @@ def test_sharded_decode_equals_tp1(tmp_path, world):
                 assert torch.equal(got.kv, want.kv), f"rank {rank} {name} layer {layer} kv cache"
                 assert (got.index is None) == (want.index is None)
                 assert got.index is None or torch.equal(got.index, want.index), f"rank {rank} {name} layer {layer}"
+
+
+# ---- rank-divergent input ---------------------------------------------------------------------------------
+
+
+def _outcome(fn) -> tuple:
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank did
+        return (type(e).__name__, str(e))
+
+
+def divergence_worker(rank: int, world: int, workdir: str) -> dict:
+    import logging
+    import os
+
+    from minimax_ops.log import logger
+
+    case = torch.load(f"{workdir}/case.pt", weights_only=False)
+    group = dist.group.WORLD
+    model = load_model(f"{workdir}/ckpt", tp_group=group)
+    model.use_fused_ops = True
+    ids, meta = case["steps"][0]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+
+    # A: rank 1's slot mapping points outside the cache. Rank 1's value check fails; rank 0's passes.
+    caches = _shard(case["caches"], rank, world)
+    bad = meta.slot_mapping.clone()
+    if rank == 1:
+        bad[0] = NUM_BLOCKS * CFG.sparse_block_size + 5
+    bad_meta = type(meta)(**{**meta.__dict__, "slot_mapping": bad, "index_slot_mapping": bad.clone()})
+    out["bad_slot"] = _outcome(lambda: model(ids, meta.positions, caches, bad_meta))
+    out["bad_slot_caches_untouched"] = all(torch.equal(a.kv, b.kv) for a, b in zip(caches, _shard(case["caches"],
+                                                                                               rank, world)))
+
+    # B: checked mode through the environment on rank 0 only (a per-process setting).
+    plain = model(ids, meta.positions, _shard(case["caches"], rank, world), meta)
+    if rank == 0:
+        os.environ["MINIMAX_OPS_CHECK"] = "1"
+    env_checked = _outcome(lambda: model(ids, meta.positions, _shard(case["caches"], rank, world), meta))
+    os.environ.pop("MINIMAX_OPS_CHECK", None)
+    out["env_checked_same_as_plain"] = env_checked[0] == "ok" and torch.equal(env_checked[1], plain)
+    out["env_checked"] = env_checked[0]
+
+    # C: checked mode as the op argument (what the pass sets on every rank alike), layer 2 (sparse MoE).
+    layer = model.model.layers[2]
+    x = torch.randn(meta.num_tokens, CFG.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
+
+    def checked_call(x_rank):
+        c = _shard(case["caches"], rank, world)[2]
+        return torch.ops.minimax.fused_decode_layer(
+            x_rank, torch.zeros_like(x_rank), *layer._step(meta.positions, c, meta, False),
+            *layer._weights().values(), *layer.consts(meta.query_len)[:-1], layer_index=2, checked=True,
+            group_name=layer.group_name)[0]
+
+    out["checked_agree"] = _outcome(lambda: checked_call(x))[0]
+    nan_x = x.clone()
+    if rank == 1:
+        nan_x[1, 3] = float("nan")
+    out["checked_nan"] = _outcome(lambda: checked_call(nan_x))
+    if rank == 1:  # rank 1's fused FFN half returns a wrong residual (not reduced: rank 0's stays right)
+        real = fused_ops.SPARSE_FFN_IMPL
+        fused_ops.SPARSE_FFN_IMPL = lambda *a: (real(*a)[0], real(*a)[1] * 1.5)
+    out["checked_disagree"] = _outcome(lambda: checked_call(x))
+    out["log"] = [r.getMessage() for r in records]
+    return out
+
+
+@pytest.mark.slow
+def test_rank_divergent_input_takes_the_same_path_on_every_rank(tmp_path):
+    _prepare(tmp_path)
+    r0, r1 = tp_harness.unwrap(tp_harness.run_ranks(2, divergence_worker, tmp_path, deadline_s=240))
+    # A: both refuse before writing anything: rank 1 with its reason, rank 0 because rank 1 refused.
+    assert r0["bad_slot"][0] == r1["bad_slot"][0] == "StepValueError", (r0["bad_slot"], r1["bad_slot"])
+    assert "slot_mapping: expected slots in" in r1["bad_slot"][1]
+    assert "another rank of tensor-parallel group" in r0["bad_slot"][1]
+    assert r0["bad_slot_caches_untouched"] and r1["bad_slot_caches_untouched"]
+    # B: the environment cannot split the ranks: rank 0 ignores it (and says so once), results unchanged.
+    assert r0["env_checked_same_as_plain"] and r1["env_checked_same_as_plain"]
+    assert sum("MINIMAX_OPS_CHECK is ignored under tensor parallelism" in m for m in r0["log"]) == 1
+    # C: checked mode agrees: passes on both, and fails on both for NaN input or a disagreement on rank 1.
+    assert r0["checked_agree"] == r1["checked_agree"] == "ok"
+    assert r0["checked_nan"][0] == r1["checked_nan"][0] == "StepValueError"
+    assert "NaN or Inf" in r1["checked_nan"][1] and "another rank" in r0["checked_nan"][1]
+    assert r0["checked_disagree"][0] == r1["checked_disagree"][0] == "CheckedModeError"
+    assert "token 0 residual: relative difference" in r1["checked_disagree"][1]
+    assert "another rank" in r0["checked_disagree"][1]
