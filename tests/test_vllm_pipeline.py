@@ -343,9 +343,9 @@ def test_larger_steps_run_the_untouched_range(compiled, context_lens, query_lens
 
 
 @pytest.mark.parametrize("parts,fragment", [
-    (lambda: {"parallel_config": ParallelConfig(tensor_parallel_size=2)}, "tensor_parallel_size=2 is not supported"),
-    (lambda: {"parallel_config": ParallelConfig(pipeline_parallel_size=2)}, "pipeline_parallel_size=2"),
-    (lambda: {"parallel_config": ParallelConfig(data_parallel_size=2)}, "data_parallel_size=2"),
+    # tiny's experts (intermediate 32) do not split into whole MX blocks at TP 2
+    (lambda: {"parallel_config": ParallelConfig(tensor_parallel_size=2)},
+     "the model does not split for tensor parallelism: tensor_parallel_size=2"),
     (lambda: {"parallel_config": ParallelConfig(enable_expert_parallel=True)}, "expert parallelism is enabled"),
     (lambda: {"cache_config": CacheConfig(cache_dtype="fp8_e5m2")}, "kv cache dtype 'fp8_e5m2' is not supported"),
     (lambda: {"cache_config": CacheConfig(block_size=64)}, "cache block size 64 differs from the model's sparse "
@@ -354,11 +354,22 @@ def test_larger_steps_run_the_untouched_range(compiled, context_lens, query_lens
      "index cache dtype 'mxfp4' is not supported"),
     (lambda: {"compilation_config": CompilationConfig(splitting_ops=["minimax::sparse_attention_decode"])},
      "splitting_ops ['minimax::sparse_attention_decode'] split decode layers apart"),
-], ids=["tp2", "pp2", "dp2", "expert-parallel", "kv-fp8-e5m2", "block-size", "indexer-mxfp4", "splitting-ops"])
+], ids=["tp2-unsplittable", "expert-parallel", "kv-fp8-e5m2", "block-size", "indexer-mxfp4", "splitting-ops"])
 def test_refused_vllm_deployments_give_a_clear_reason(isolated_caches, parts, fragment):
     config = vllm_config(**parts())
     reason = deployment_refusal(deployment_from_vllm_config(config, CFG))
     assert reason is not None and fragment in reason, reason
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=4),
+                                      dict(pipeline_parallel_size=2), dict(data_parallel_size=2)],
+                         ids=["tp2", "tp4", "pp2", "dp2"])
+def test_tensor_pipeline_and_data_parallelism_are_served(isolated_caches, parallel):
+    model = preset("tiny_tp")
+    config = vllm_config(parallel_config=ParallelConfig(**parallel),
+                         cache_config=CacheConfig(block_size=model.sparse_block_size))
+    deployment = deployment_from_vllm_config(config, model)
+    assert deployment_refusal(deployment) is None
 
 
 def test_piecewise_cudagraphs_are_refused(isolated_caches):
@@ -428,13 +439,13 @@ def test_max_model_len_beyond_the_fused_limit_is_refused(isolated_caches, tmp_pa
 
 
 def test_refusal_is_logged_once_by_the_pass(isolated_caches, caplog):
-    config = vllm_config(parallel_config=ParallelConfig(tensor_parallel_size=2))
+    config = vllm_config(parallel_config=ParallelConfig(enable_expert_parallel=True))
     p = MiniMaxM3DecodePass()
     with set_current_vllm_config(config):  # as PostGradPassManager.configure sets it
         for _ in range(3):
             p(fx.Graph())
-    assert _reasons(caplog) == ["fused decode refused for this deployment: tensor_parallel_size=2 is not "
-                                "supported by the fused decode (supported: [1])"]
+    reasons = _reasons(caplog)
+    assert len(reasons) == 1 and reasons[0].startswith("fused decode refused for this deployment: expert parallelism")
     assert p.rewrites == 0 and p.calls == 3
 
 
