@@ -128,6 +128,66 @@ def test_sharded_decode_equals_tp1(tmp_path, world):
                 assert got.index is None or torch.equal(got.index, want.index), f"rank {rank} {name} layer {layer}"
 
 
+# ---- under vLLM's tensor-parallel group ---------------------------------------------------------------------
+
+
+def vllm_group_worker(rank: int, world: int, workdir: str) -> dict:
+    """The model given the reserved group name "vllm:tp": its all-reduces go through vLLM's own
+    GroupCoordinator (its CPU communicator here), built on the harness's gloo world."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    from minimax_ops.ops.collectives import VLLM_TP_GROUP
+
+    case = torch.load(f"{workdir}/case.pt", weights_only=False)
+    # The pass reads the deployment from the current config: its cache block size must be the model's.
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                        cache_config=CacheConfig(block_size=CFG.sparse_block_size))
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world, rank, f"file://{workdir}/store", rank, backend="gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        try:
+            out = {"group_size": parallel_state.get_tp_group().world_size, "logits": {}}
+            for name in ("eager_fused", "compiled"):
+                model = MiniMaxM3ForCausalLM(CFG, _rank_weights(workdir, rank, world), tp_size=world,
+                                             tp_group=VLLM_TP_GROUP)
+                model.use_fused_ops = name == "eager_fused"
+                graph_pass = MiniMaxM3DecodePass()
+                torch._dynamo.reset()
+                fn = model if name == "eager_fused" else torch.compile(
+                    model, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": graph_pass})
+                caches = _shard(case["caches"], rank, world)
+                out["logits"][name] = [fn(ids, meta.positions, caches, meta) for ids, meta in case["steps"][:2]]
+                out["rewrites"] = graph_pass.rewrites
+        finally:
+            parallel_state.destroy_model_parallel()
+    return out
+
+
+def _rank_weights(workdir: str, rank: int, world: int):
+    from minimax_ops.loader import load_weights
+
+    return load_weights(f"{workdir}/ckpt", tp_rank=rank, tp_size=world)[1]
+
+
+@pytest.mark.slow
+def test_vllm_tp_group_serves_the_all_reduces(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM's tensor-parallel group needs vLLM")
+    _prepare(tmp_path)
+    case = torch.load(tmp_path / "case.pt", weights_only=False)
+    ranks = tp_harness.unwrap(tp_harness.run_ranks(2, vllm_group_worker, tmp_path, deadline_s=300))
+    for rank, r in enumerate(ranks):
+        assert r["group_size"] == 2 and r["rewrites"] == CFG.num_hidden_layers
+        for name, logits in r["logits"].items():
+            for step, (got, want, (_, meta)) in enumerate(zip(logits, case["logits"], case["steps"])):
+                real = meta.slot_mapping >= 0
+                err = ((got - want).norm(dim=1) / want.norm(dim=1))[real]
+                assert err.max() <= FP32_TOLERANCE, (rank, name, step, err.tolist())
+
+
 # ---- rank-divergent input ---------------------------------------------------------------------------------
 
 
