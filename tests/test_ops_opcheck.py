@@ -18,7 +18,7 @@ from minimax_ops import reference as ref
 from minimax_ops.cache import allocate_caches, build_step
 from minimax_ops.config import preset
 from minimax_ops.formats import quantize
-from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS, DenseConsts, SparseConsts
 from minimax_ops.weights import SHARED_IN_TABLE, SHARED_SEPARATE, random_layer_weights
 
 minimax = torch.ops.minimax
@@ -195,6 +195,14 @@ SAMPLES = {
     "fused_dense-q1-bf16": ("fused_dense_decode_layer", lambda g: _fused(g, 1, False, BF16)),
     "fused_dense-q2-mxfp8-fp8": ("fused_dense_decode_layer", lambda g: _fused(g, 2, False, FP8, linear_format="mxfp8")),
 }
+
+
+@pytest.mark.parametrize("op,consts", [(minimax.fused_decode_layer, SparseConsts),
+                                       (minimax.fused_dense_decode_layer, DenseConsts)])
+def test_layer_constants_follow_the_fused_op_schemas(op, consts):
+    """chain.py's constants are the fused op's scalar arguments, in order (then ``partial``, not an argument)."""
+    scalars = [a.name for a in op.default._schema.arguments if str(a.type) in ("int", "float")]
+    assert list(consts._fields) == scalars[:scalars.index("layer_index")] + ["partial"]
 
 
 def test_samples_cover_every_op():

@@ -20,7 +20,7 @@ so the next layer (or the final norm, or a pipeline stage boundary) receives who
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import namedtuple
 
 import torch
 
@@ -33,40 +33,12 @@ DENSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "o_proj",
                  "w13", "w13_scale", "w2", "w2_scale")
 
 
-class SparseConsts(NamedTuple):
-    query_len: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    eps: float
-    index_heads: int
-    index_dim: int
-    topk_blocks: int
-    top_k: int
-    routed_scaling: float
-    num_routed_experts: int
-    alpha: float
-    limit: float
-    k_scale: float
-    v_scale: float
-    partial: bool = False  # not an op argument: fp32 partial sums under tensor parallelism (module docstring)
-
-
-class DenseConsts(NamedTuple):
-    query_len: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    eps: float
-    alpha: float
-    limit: float
-    k_scale: float
-    v_scale: float
-    partial: bool = False
+_HEADS = ("query_len", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "eps")
+_SPARSE = ("index_heads", "index_dim", "topk_blocks", "top_k", "routed_scaling", "num_routed_experts")
+# `partial` is not an op argument: fp32 partial sums under tensor parallelism (module docstring).
+_TAIL = ("alpha", "limit", "k_scale", "v_scale", "partial")
+SparseConsts = namedtuple("SparseConsts", (*_HEADS, *_SPARSE, *_TAIL), defaults=(False,))
+DenseConsts = namedtuple("DenseConsts", (*_HEADS, *_TAIL), defaults=(False,))
 
 
 def _fp32(c) -> tuple:
