@@ -165,6 +165,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: StepMetadata) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, positions, caches, meta))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (vLLM computes them for the sampled tokens only)."""
+        return minimax.mx_linear(h, self.lm_head, None).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                      meta: StepMetadata) -> torch.Tensor:
+        """The final norm's output, bf16 [n, hidden]."""
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
         x = self.model.embed_tokens(input_ids)
         residual = torch.zeros_like(x)
@@ -175,4 +184,4 @@ class MiniMaxM3ForCausalLM(nn.Module):
             else:
                 x, residual = layer(x, residual, positions, cache, meta, decode)
         h, _ = minimax.add_rmsnorm(x, residual, self.model.norm, self.config.rms_norm_eps)
-        return minimax.mx_linear(h, self.lm_head, None).float()
+        return h

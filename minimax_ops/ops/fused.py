@@ -32,6 +32,8 @@ from .validate import should_validate, validate_step_values
 
 # How often each fused op's Python implementation ran: a captured CUDA graph replays without it.
 impl_calls = {"sparse": 0, "dense": 0}
+# How many of those ran the unfused stages instead (a step that is not the traced decode, or too large).
+fallback_calls = {"sparse": 0, "dense": 0}
 
 SPARSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "index_q_norm", "index_k_norm",
                   "o_proj", "o_proj_scale", "post_norm", "gate", "gate_bias", "w13", "w13_scale", "w2",
@@ -42,7 +44,9 @@ DENSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "o_proj",
 
 def _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len):
     n = x.shape[0]
-    check(1 <= n <= MAX_TOKENS, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got {n}")
+    # No upper bound here: a graph that serves every step size (vLLM's trace-once mode) holds the fused
+    # op for large steps too, and the implementation runs the unfused stages above MAX_TOKENS.
+    check(n >= 1, f"x: expected at least 1 token, got {n}")
     check_activation("x", x)
     check_activation("residual", residual, x.shape[1])
     check_step(n, positions, slot_mapping, block_table, seq_lens, query_len)
@@ -135,9 +139,11 @@ def fused_decode_layer(
 ) -> tuple[Tensor, Tensor]:
     """One sparse MoE decode layer: (x, residual) -> (out, residual); writes k/v and index_k."""
     impl_calls["sparse"] += 1
-    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
-    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
-    fallback = general_step(query_len) is not None
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds),
+    # or one larger than the fused kernels take (a graph serving every size), runs the unfused
+    # stages, whose step-dependent ops take the general path (step_context.py).
+    fallback = general_step(query_len) is not None or x.shape[0] > MAX_TOKENS
+    fallback_calls["sparse"] += fallback
     _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
                 None if fallback else query_len)
     check_cache("index_cache", index_cache, (kv_cache.shape[0], kv_cache.shape[2], None))
@@ -178,9 +184,11 @@ def fused_dense_decode_layer(
 ) -> tuple[Tensor, Tensor]:
     """One dense decode layer (full GQA attention + SwiGLU-OAI MLP)."""
     impl_calls["dense"] += 1
-    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
-    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
-    fallback = general_step(query_len) is not None
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds),
+    # or one larger than the fused kernels take (a graph serving every size), runs the unfused
+    # stages, whose step-dependent ops take the general path (step_context.py).
+    fallback = general_step(query_len) is not None or x.shape[0] > MAX_TOKENS
+    fallback_calls["dense"] += fallback
     _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
                 None if fallback else query_len)
     checked = checked or checked_mode.enabled()
