@@ -130,10 +130,10 @@ class MiniMaxM3CacheLayer(nn.Module, AttentionLayerBase):
 
 
 def step_from_vllm(main: MiniMaxM3AttentionMetadata, index: MiniMaxM3AttentionMetadata | None,
-                   positions: torch.Tensor, decode_query_len: int) -> StepMetadata:
+                   positions: torch.Tensor) -> StepMetadata:
     """The StepMetadata of one vLLM step (no device sync: host facts come from host tensors). ``main``
     is a main-cache layer's metadata, ``index`` a sparse layer's index-cache metadata (None when the
-    model has no sparse layer); ``decode_query_len`` the query length the graph was traced for."""
+    model has no sparse layer)."""
     c = main.common
     n = positions.shape[0]
     slots = c.slot_mapping[:n]
@@ -148,13 +148,6 @@ def step_from_vllm(main: MiniMaxM3AttentionMetadata, index: MiniMaxM3AttentionMe
         index_slots = slots
     reqs = c.num_reqs
     table, seq_lens = c.block_table_tensor[:reqs], c.seq_lens[:reqs]
-    rows = -(-n // decode_query_len)
-    if reqs < rows:
-        # The graph holds the decode chain whatever the step (vLLM drops guards; the first step it
-        # traces is a prefill): its shapes must hold a decode of n tokens. Padding requests (seq_len 0)
-        # do that; the general path the ops take for such a step reads the real requests only.
-        table = torch.cat([table, table.new_zeros(rows - reqs, table.shape[1])])
-        seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(rows - reqs)])
     # A batch whose tokens the requests do not cover exactly is never a uniform decode for the ops
     # (counted as holding a prefill, so they take the general path).
     covered = sum(main.query_lens) == n

@@ -106,7 +106,7 @@ class MiniMaxM3ForVllm(nn.Module):
         if isinstance(attn, list):  # micro-batched steps are not supported (one metadata dict per step)
             raise ValueError("attn_metadata: micro-batching (ubatching) is not supported by MiniMaxM3ForVllm")
         index = attn[self.index_layers[0].layer_name] if len(self.index_layers) else None
-        step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions, self.text.decode_query_len)
+        step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions)
         # The config is current while the module compiles (the decode pass reads the deployment from it;
         # vLLM's trace-once mode compiles here without setting it).
         with use_step(step), set_current_vllm_config(self.vllm_config):

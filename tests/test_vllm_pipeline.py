@@ -27,7 +27,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import pytest
 from conftest import minimax_reasons
-from vllm_support import forced_vllm_compile, isolate_compile_caches, require_vllm
+from vllm_support import NO_VLLM_FUSIONS, forced_vllm_compile, isolate_compile_caches, require_vllm
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -100,13 +100,6 @@ _reasons = minimax_reasons
 
 
 # ---- building VllmConfigs ------------------------------------------------------------------------------
-
-# Only the decode pass: vLLM's own fusions need its CUDA ops.
-NO_VLLM_FUSIONS = dict(fuse_norm_quant=False, fuse_act_quant=False, fuse_attn_quant=False, fuse_allreduce_rms=False,
-                       enable_qk_norm_rope_fusion=False, fuse_rope_kvcache_cat_mla=False, fuse_act_padding=False,
-                       fuse_mla_dual_rms_norm=False, fuse_rope_kvcache=False, fuse_qk_norm_rope_kvcache=False,
-                       eliminate_noops=True)
-
 
 def vllm_config(graph_pass=None, **parts) -> VllmConfig:
     """A CPU VllmConfig: VLLM_COMPILE, ranges [1, 16] and [17, 64], no splitting ops, no CUDA graphs."""

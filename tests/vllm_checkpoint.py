@@ -52,3 +52,23 @@ def write_checkpoint(path: Path, config: MiniMaxM3Config = TINY, seed: int = 0, 
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(release_config(config), indent=2))
     return weights
+
+
+def reference_greedy(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of the project's pure-PyTorch reference model: one prefill, then one-token steps."""
+    from minimax_ops.cache import allocate_caches, build_step
+    from minimax_ops.reference_model import model_forward
+
+    bs = config.sparse_block_size
+    num_blocks = -(-(len(prompt) + max_tokens) // bs)
+    caches = allocate_caches(config, num_blocks, fill="zeros")
+    ids = [list(range(num_blocks))]
+    out, context, step = [], 0, list(prompt)
+    for _ in range(max_tokens):
+        meta = build_step([context], [len(step)], block_size=bs, num_blocks=num_blocks, block_ids=ids,
+                          table_width=num_blocks)
+        logits = model_forward(torch.tensor(step), weights, caches, meta, config)
+        out.append(int(logits[-1].argmax()))
+        context += len(step)
+        step = out[-1:]
+    return out

@@ -9,6 +9,13 @@ from contextlib import contextmanager
 import pytest
 
 
+# Only the decode pass: vLLM's own fusions need its CUDA ops.
+NO_VLLM_FUSIONS = dict(fuse_norm_quant=False, fuse_act_quant=False, fuse_attn_quant=False, fuse_allreduce_rms=False,
+                       enable_qk_norm_rope_fusion=False, fuse_rope_kvcache_cat_mla=False, fuse_act_padding=False,
+                       fuse_mla_dual_rms_norm=False, fuse_rope_kvcache=False, fuse_qk_norm_rope_kvcache=False,
+                       eliminate_noops=True)
+
+
 def require_vllm():
     """vLLM, or a skip outside CI; in CI (CI=true, where .ci/run installs it) a missing vLLM fails."""
     if os.environ.get("CI", "").lower() == "true":
