@@ -41,6 +41,9 @@ class Deployment:
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     model_config_error: str | None = None  # the served MiniMax-M3 config could not be parsed
+    # One compiled graph serves steps of every size (vLLM's trace-once mode, what its CPU platform
+    # runs): the fused ops then take the unfused stages for steps above MAX_TOKENS at run time.
+    any_size_graphs: bool = False
 
     def key(self) -> str:
         """Stable text of every field, for the pass's uuid()."""

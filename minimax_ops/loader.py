@@ -64,6 +64,60 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is unknown, missing, mis-shaped or of the wrong dtype (named in the message)."""
 
 
+# ---- the vision-language release: its text model ----------------------------------------------------------
+
+# The official release is the VL model (MiniMaxM3SparseForConditionalGeneration): the text model's tensors
+# sit under LANGUAGE_MODEL, beside parts the text decoder does not use, skipped by these rules (and reported).
+LANGUAGE_MODEL = "language_model."
+SKIPPED_PREFIXES = {"vision_tower.": "vision tower", "multi_modal_projector.": "projector",
+                    "patch_merge_mlp.": "projector"}
+MTP_SEGMENT = "mtp."  # multi-token-prediction modules (speculative heads), e.g. model.mtp.layers.0...
+
+
+def _skipped_part(name: str) -> str | None:
+    for prefix, part in SKIPPED_PREFIXES.items():
+        if name.startswith(prefix):
+            return part
+    if name.startswith(MTP_SEGMENT) or f".{MTP_SEGMENT}" in name:
+        return "MTP"
+    return None
+
+
+def text_model_names(names: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """(text-model name -> checkpoint name, skipped tensors per part) of a checkpoint's names. A VL
+    checkpoint (any name under ``language_model.``) has its text tensors read from under that prefix;
+    vision tower, projector and MTP tensors are skipped in either layout. Anything else keeps its
+    name, so that an unexpected tensor is still rejected by name."""
+    names = list(names)
+    vl = any(n.startswith(LANGUAGE_MODEL) for n in names)
+    mapping: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    for name in names:
+        text = name.removeprefix(LANGUAGE_MODEL) if vl else name
+        part = _skipped_part(text)
+        if part is not None:
+            skipped[part] = skipped.get(part, 0) + 1
+            continue
+        if vl and text == name and not name.startswith(LANGUAGE_MODEL):
+            raise CheckpointError(f"unknown tensor name {name!r} (a vision-language checkpoint keeps its text model "
+                                  f"under {LANGUAGE_MODEL!r}; only {sorted(SKIPPED_PREFIXES)} and MTP tensors "
+                                  "may sit outside it)")
+        if text in mapping:
+            raise CheckpointError(f"{name}: stored twice, as {mapping[text]!r} too")
+        mapping[text] = name
+    if skipped:
+        from .log import log_once
+        log_once("checkpoint: skipped tensors the text decoder does not use: "
+                 + ", ".join(f"{n} {part}" for part, n in sorted(skipped.items())))
+    return mapping, skipped
+
+
+def text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors of a (possibly VL) checkpoint, by text-model name."""
+    mapping, _ = text_model_names(tensors.keys())
+    return {text: tensors[name] for text, name in mapping.items()}
+
+
 # ---- the expected tensors of a config ------------------------------------------------------------
 
 
@@ -317,7 +371,8 @@ def load_weights(path_or_dir: str | os.PathLike, config: MiniMaxM3Config | None 
             if name in where:
                 raise CheckpointError(f"{name}: stored twice, in {where[name].name} and {f.name}")
             where[name] = f
-    reader = _Reader(lambda name: handles[where[name]].get_tensor(name), where, device)
+    stored, _ = text_model_names(where)  # text-model name -> stored name (VL prefix, skipped parts)
+    reader = _Reader(lambda name: handles[where[stored[name]]].get_tensor(stored[name]), stored, device)
     return config, weights_from_tensors(reader, config, shared=shared, device=device, tp_rank=tp_rank,
                                         tp_size=tp_size, layers=layers)
 

@@ -191,6 +191,18 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: StepMetadata, intermediate: dict[str, torch.Tensor] | None = None):
+        """fp32 logits on the last pipeline stage; an earlier stage returns the next one's intermediate."""
+        out = self.hidden_states(input_ids, positions, caches, meta, intermediate)
+        return self.logits(out) if self.is_last_stage else out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states (vLLM computes them for the sampled tokens only)."""
+        return minimax.mx_linear(h, self.lm_head, None).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                      meta: StepMetadata, intermediate: dict[str, torch.Tensor] | None = None):
+        """The final norm's output, bf16 [n, hidden], on the last pipeline stage; an earlier stage
+        returns {"hidden_states", "residual"} (its last layer's output, reduced) for the next."""
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"caches: expected one per held layer ({len(self.model.layers)}), got {len(caches)}")
@@ -211,4 +223,4 @@ class MiniMaxM3ForCausalLM(nn.Module):
         if not self.is_last_stage:
             return {"hidden_states": x, "residual": residual}
         h, _ = minimax.add_rmsnorm(x, residual, self.model.norm, self.config.rms_norm_eps)
-        return minimax.mx_linear(h, self.lm_head, None).float()
+        return h

@@ -59,6 +59,8 @@ from .validate import StepValueError, should_validate, validate_step_values
 
 # How often each fused op's Python implementation ran: a captured CUDA graph replays without it.
 impl_calls = {"sparse": 0, "dense": 0}
+# How many of those ran the unfused stages instead (a step that is not the traced decode, or too large).
+fallback_calls = {"sparse": 0, "dense": 0}
 
 # The implementation hooks (see the module docstring).
 SPARSE_ATTENTION_IMPL = chain.sparse_attention
@@ -69,7 +71,9 @@ DENSE_FFN_IMPL = chain.dense_ffn
 
 def _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len):
     n = x.shape[0]
-    check(1 <= n <= MAX_TOKENS, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got {n}")
+    # No upper bound here: a graph that serves every step size (vLLM's trace-once mode) holds the fused
+    # op for large steps too, and the implementation runs the unfused stages above MAX_TOKENS.
+    check(n >= 1, f"x: expected at least 1 token, got {n}")
     check_activation("x", x)
     check_activation("residual", residual, x.shape[1])
     check_step(n, positions, slot_mapping, block_table, seq_lens, query_len)
@@ -163,7 +167,11 @@ def _layer(kind: str, args: tuple) -> tuple[Tensor, Tensor]:
     impl_calls[kind] += 1
     step, caches, w, c, layer_index, checked, group_name = _split(kind, args)
     _, _, label, defaults, hooks = _KINDS[kind]
-    fallback = general_step(c.query_len) is not None
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds),
+    # or one larger than the fused kernels take (a graph serving every size), runs the unfused chain,
+    # whose step-dependent ops take the general path (step_context.py). Host facts: rank-identical.
+    fallback = general_step(c.query_len) is not None or step[0].shape[0] > MAX_TOKENS
+    fallback_calls[kind] += fallback
     _check_call(kind, step, caches, w, c, fallback)
     checked = _checked(checked, group_name)
     if should_validate(step[0], checked) and not fallback:
