@@ -7,6 +7,10 @@ would be lost by fusing). Anchoring on the insert is robust because it is the on
 that owns a cache, it appears once per layer whatever else surrounds the layer, and every other
 chain op is reached through named arguments, never by node order or names. What the walk finds
 is then re-checked against the step guards on FakeTensor metadata (guards.py).
+
+Under tensor parallelism the chain also holds ``minimax.all_reduce`` after o_proj and after the FFN
+(ops/chain.py): both or neither, with one group name, which the fused call then takes as its
+``group_name`` and reduces with inside its body.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from minimax_ops.ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
 
 from .fx_utils import arg, insert_functional_call, is_op, mutated_output, only_users, outputs
 
@@ -32,6 +36,26 @@ class Refused(Exception):
 def _need(cond: bool, reason: str) -> None:
     if not cond:
         raise Refused(reason)
+
+
+def _reduced(node: Node, what: str) -> tuple[Node | None, Node]:
+    """(the all_reduce taking node, its output) when node's one user is minimax.all_reduce, else (None, node)."""
+    reduces = [u for u in node.users if is_op(u, mm.all_reduce.default)]
+    # A tensor-parallel partial sum is kept in fp32 (ops/chain.py); a whole one is bf16.
+    _need(bool(arg(node, "out_fp32")) == bool(reduces), f"{what}: out_fp32 does not match its all-reduce")
+    if not reduces:
+        return None, node
+    _need(len(reduces) == 1 and only_users(node, set(reduces)), f"{what}: all-reduced and also used unreduced")
+    return reduces[0], reduces[0]
+
+
+def _group_name(first: Node | None, second: Node | None) -> str:
+    _need((first is None) == (second is None), "one of the layer's two all-reduces is missing")
+    if first is None:
+        return ""
+    name = arg(first, "group_name")
+    _need(arg(second, "group_name") == name, "the layer's two all-reduces name different groups")
+    return name
 
 
 def _sole_user(node: Node, op: Any, what: str) -> Node:
@@ -70,20 +94,27 @@ class _DecodeLayerPattern:
         return norm, got, qkv
 
     def _back(self, attn: Node, norm: Node, norm_out: dict[int, Node]):
-        """attention -> o_proj mx_linear -> add_rmsnorm (residual from the input norm)."""
+        """attention -> o_proj mx_linear (-> all_reduce) -> add_rmsnorm (residual from the input norm).
+        Returns (o_proj, its all_reduce or None, post norm, post norm outputs)."""
         o = _sole_user(attn, mm.mx_linear.default, "attention output")
         _need(only_users(attn, {o}), "attention output has users outside the layer")
-        post = _sole_user(o, mm.add_rmsnorm.default, "o_proj output")
+        reduce, o_out = _reduced(o, "o_proj output")
+        post = _sole_user(o_out, mm.add_rmsnorm.default, "o_proj output")
+        _need(only_users(o_out, {post}), "o_proj output has users outside the layer")
         _need(arg(post, "residual") is norm_out.get(1) and only_users(norm_out[1], {post}),
               "post-attention norm does not take the layer's residual alone")
         _need(arg(post, "eps") == arg(norm, "eps"), "input and post-attention norms use different eps")
-        return o, post, outputs(post)
+        return o, reduce, post, outputs(post)
 
-    def _finish(self, kind, chain, last, kwargs, mutated, replaced, insert):
+    def _finish(self, kind, chain, ffn, reduce, kwargs, mutated, replaced, insert):
+        """ffn: the layer's FFN op; reduce: the o_proj all_reduce (None without tensor parallelism)."""
         eps_insert = arg(insert, "eps")
         _need(eps_insert == kwargs["eps"], "qk norm eps differs from the layer norm eps")
-        nodes = [n for n in chain if n is not None]
-        return LayerMatch(kind, nodes, last, kwargs, mutated, replaced)
+        out_reduce, out = _reduced(ffn, "FFN output")
+        kwargs["group_name"] = _group_name(reduce, out_reduce)
+        order = {n: i for i, n in enumerate(insert.graph.nodes)}
+        nodes = sorted((n for n in (*chain, reduce, out_reduce) if n is not None), key=order.__getitem__)
+        return LayerMatch(kind, nodes, out, kwargs, mutated, [out, *replaced])
 
     def _common_kwargs(self, norm, qkv, insert, attn, o, post) -> dict[str, Any]:
         kw = dict(x=arg(norm, "x"), residual=arg(norm, "residual"), positions=arg(insert, "positions"),
@@ -123,11 +154,12 @@ class SparseMoEDecodeLayer(_DecodeLayerPattern):
         q, iq    = qk_norm_rope_kv_index_insert(qkv, ..., kv_cache!, index_cache!)
         blocks   = index_topk(iq, index_cache, block_table, seq_lens, q_len, topk)
         attn     = sparse_attention_decode(q, kv_cache, block_table, seq_lens, blocks, q_len)
-        h, res   = add_rmsnorm(mx_linear(attn, o_w, o_s), res, post_norm)
+        h, res   = add_rmsnorm((all_reduce)(mx_linear(attn, o_w, o_s)), res, post_norm)
         w, ids   = route(h, gate, gate_bias, top_k, scaling)
-        out      = moe_experts(h, ids, w, w13, ..., w2, ..., shared...)
+        out      = (all_reduce)(moe_experts(h, ids, w, w13, ..., w2, ..., shared...))
     fused:
-        out, res = fused_decode_layer(x, residual, <metadata>, kv_cache!, index_cache!, <weights>, ...)
+        out, res = fused_decode_layer(x, residual, <metadata>, kv_cache!, index_cache!, <weights>, ...,
+                                      group_name)
     """
 
     fused_op = mm.fused_decode_layer.default
@@ -151,7 +183,7 @@ class SparseMoEDecodeLayer(_DecodeLayerPattern):
         _need(arg(topk, "block_table") is arg(attn, "block_table") and arg(topk, "seq_lens") is arg(attn, "seq_lens")
               and arg(topk, "query_len") == arg(attn, "query_len"),
               "index cache does not share the main cache's block table (block ids must be shared)")
-        o, post, post_out = self._back(attn, norm, norm_out)
+        o, reduce, post, post_out = self._back(attn, norm, norm_out)
         h = post_out.get(0)
         router = _sole_user(h, mm.route.default, "post-attention norm output")
         experts = _sole_user(h, mm.moe_experts.default, "post-attention norm output")
@@ -172,7 +204,7 @@ class SparseMoEDecodeLayer(_DecodeLayerPattern):
         chain = [norm, *norm_out.values(), qkv, insert, *got.values(), topk, attn, o, post, *post_out.values(),
                  router, *r_out.values(), experts]
         mutated = {"kv_cache": arg(insert, "kv_cache"), "index_cache": arg(insert, "index_cache")}
-        return self._finish("sparse_moe", chain, experts, kw, mutated, [experts, post_out.get(1), kv_new, idx_new],
+        return self._finish("sparse_moe", chain, experts, reduce, kw, mutated, [post_out.get(1), kv_new, idx_new],
                             insert)
 
 
@@ -183,10 +215,10 @@ class DenseDecodeLayer(_DecodeLayerPattern):
         h, res   = add_rmsnorm(x, residual, input_norm)
         q        = qk_norm_rope_kv_insert(mx_linear(h, qkv_w, qkv_s), ..., kv_cache!)
         attn     = dense_attention_decode(q, kv_cache, block_table, seq_lens, q_len)
-        h, res   = add_rmsnorm(mx_linear(attn, o_w, o_s), res, post_norm)
-        out      = mlp(h, w13, w13_s, w2, w2_s)
+        h, res   = add_rmsnorm((all_reduce)(mx_linear(attn, o_w, o_s)), res, post_norm)
+        out      = (all_reduce)(mlp(h, w13, w13_s, w2, w2_s))
     fused:
-        out, res = fused_dense_decode_layer(x, residual, <metadata>, kv_cache!, <weights>, ...)
+        out, res = fused_dense_decode_layer(x, residual, <metadata>, kv_cache!, <weights>, ..., group_name)
     """
 
     fused_op = mm.fused_dense_decode_layer.default
@@ -202,7 +234,7 @@ class DenseDecodeLayer(_DecodeLayerPattern):
         attn = _sole_user(q, mm.dense_attention_decode.default, "q")
         _need(only_users(q, {attn}) and arg(attn, "kv_cache") is kv_new,
               "attention does not read the cache this layer just wrote, or q escapes the layer")
-        o, post, post_out = self._back(attn, norm, norm_out)
+        o, reduce, post, post_out = self._back(attn, norm, norm_out)
         h = post_out.get(0)
         ffn = _sole_user(h, mm.mlp.default, "post-attention norm output")
         _need(only_users(h, {ffn}), "post-attention norm output has users outside the layer")
@@ -210,8 +242,8 @@ class DenseDecodeLayer(_DecodeLayerPattern):
         kw.update(w13=arg(ffn, "w13"), w13_scale=arg(ffn, "w13_scale"), w2=arg(ffn, "w2"),
                   w2_scale=arg(ffn, "w2_scale"), alpha=arg(ffn, "alpha"), limit=arg(ffn, "limit"), _like=insert)
         chain = [norm, *norm_out.values(), qkv, insert, *got.values(), attn, o, post, *post_out.values(), ffn]
-        return self._finish("dense", chain, ffn, kw, {"kv_cache": arg(insert, "kv_cache")},
-                            [ffn, post_out.get(1), kv_new], insert)
+        return self._finish("dense", chain, ffn, reduce, kw, {"kv_cache": arg(insert, "kv_cache")},
+                            [post_out.get(1), kv_new], insert)
 
 
 PATTERNS = (SparseMoEDecodeLayer(), DenseDecodeLayer())

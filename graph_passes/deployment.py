@@ -15,8 +15,8 @@ import torch
 
 from minimax_ops.config import DENSE, SPARSE_MOE, MiniMaxM3Config
 from minimax_ops.constants import MAX_CONTEXT
+from minimax_ops.sharding import ShardingError, local_config
 
-SUPPORTED_TP_SIZES = (1,)  # what the fused kernels implement today
 CACHE_DTYPE_NAMES = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                      "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -41,6 +41,9 @@ class Deployment:
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     model_config_error: str | None = None  # the served MiniMax-M3 config could not be parsed
+    # One compiled graph serves steps of every size (vLLM's trace-once mode, what its CPU platform
+    # runs): the fused ops then take the unfused stages for steps above MAX_TOKENS at run time.
+    any_size_graphs: bool = False
 
     def key(self) -> str:
         """Stable text of every field, for the pass's uuid()."""
@@ -53,15 +56,19 @@ class Deployment:
 
 def deployment_refusal(d: Deployment) -> str | None:
     """Why this deployment cannot use the fused decode, or None. Checked once, before rewriting."""
-    if d.tensor_parallel_size not in SUPPORTED_TP_SIZES:
-        return (f"tensor_parallel_size={d.tensor_parallel_size} is not supported by the fused decode "
-                f"(supported: {list(SUPPORTED_TP_SIZES)})")
-    if d.data_parallel_size != 1:
-        return f"data_parallel_size={d.data_parallel_size}: the fused decode needs data parallelism 1"
-    if d.pipeline_parallel_size != 1:
-        return f"pipeline_parallel_size={d.pipeline_parallel_size}: the fused decode needs pipeline parallelism 1"
+    # Tensor parallelism is served (the fused layer all-reduces inside: ops/collectives.py) as far as
+    # the model splits (sharding.py: checked when the shards are made); data parallelism without
+    # expert parallelism is independent replicas, and pipeline parallelism gives each rank whole
+    # layers: neither changes a layer.
+    cfg = d.model_config
+    if cfg is not None and d.tensor_parallel_size > 1:
+        try:
+            local_config(cfg, d.tensor_parallel_size)
+        except ShardingError as e:
+            return f"the model does not split for tensor parallelism: {e}"
     if d.enable_expert_parallel:
-        return "expert parallelism is enabled: the fused decode keeps every expert on every rank"
+        return ("expert parallelism is enabled: the fused decode keeps every expert on every rank (experts split "
+                "along their intermediate dim), and routing tokens to experts on other ranks is not built")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(d, name) != 1:
             return (f"{name}={getattr(d, name)}: context parallelism shards the KV cache across ranks, "
@@ -72,7 +79,6 @@ def deployment_refusal(d: Deployment) -> str | None:
         dtype = d.cache_dtype(which)
         if isinstance(dtype, str):
             return f"{which} cache dtype {dtype!r} is not supported (expected bf16 or fp8 e4m3)"
-    cfg = d.model_config
     if d.block_size is not None and cfg is not None and d.block_size != cfg.sparse_block_size:
         return (f"cache block size {d.block_size} differs from the model's sparse block size "
                 f"{cfg.sparse_block_size}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch.fx import Graph
@@ -28,17 +30,33 @@ from .decode_layer_patterns import PATTERNS, Refused
 from .deployment import Deployment, deployment_refusal
 from .fx_utils import op_of
 from .guards import step_refusal
-from .vllm_config import deployment_from_current_vllm_config
 
 try:  # vLLM wants an InductorPass instance; without vLLM, torch's CustomGraphPass is the contract
     from vllm.compilation.passes.inductor_pass import InductorPass as _PassBase
 except Exception:  # noqa: BLE001 - vLLM absent or unimportable on this machine
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
 
-_SOURCES = [pathlib.Path(__file__).parent / name for name in
-            ("fused_decode_pass.py", "decode_layer_patterns.py", "fx_utils.py", "guards.py", "deployment.py",
-             "vllm_config.py")]
-_SOURCES.append(pathlib.Path(__file__).parents[1] / "minimax_ops" / "ops" / "fused.py")
+_ROOT = pathlib.Path(__file__).parents[1]
+
+
+def source_files() -> list[pathlib.Path]:
+    """Every source the rewrite depends on, for uuid(): this package, the op vocabulary and what it
+    reads (schemas, limits, step contract, configs) and the deployment reader. All of minimax_ops but
+    the kernels' bodies, whose changes cannot alter a rewritten graph, plus minimax_vllm."""
+    files = sorted((_ROOT / "graph_passes").glob("*.py")) + sorted((_ROOT / "minimax_vllm").glob("*.py"))
+    ops = _ROOT / "minimax_ops"
+    files += sorted(p for p in ops.rglob("*.py") if "kernels" not in p.relative_to(ops).parts)
+    return files
+
+
+# Readers of the serving engine's deployment (minimax_vllm registers vLLM's on import): the pass asks
+# them on every compile; a reader returns None when its engine has no current config.
+_deployment_readers: list[Callable[[], Deployment | None]] = []
+
+
+def add_deployment_reader(reader: Callable[[], Deployment | None]) -> None:
+    if reader not in _deployment_readers:
+        _deployment_readers.append(reader)
 
 
 class MiniMaxM3DecodePass(_PassBase):
@@ -56,7 +74,8 @@ class MiniMaxM3DecodePass(_PassBase):
     # ---- contract with Inductor / vLLM --------------------------------------------------------
     def uuid(self) -> str:
         h = hashlib.sha256()
-        for path in _SOURCES:
+        for path in source_files():
+            h.update(path.as_posix().encode())
             h.update(path.read_bytes())
         h.update(self._deployment().key().encode())
         h.update(f"checked={self.checked}".encode())
@@ -74,8 +93,16 @@ class MiniMaxM3DecodePass(_PassBase):
     def _deployment(self) -> Deployment:
         if self.deployment is not None:
             return self.deployment
-        # None when vLLM is not in use (or no config is current); any other failure propagates.
-        return deployment_from_current_vllm_config() or Deployment()
+        # A reader returns None when its engine has no current config; any other failure propagates.
+        for reader in _deployment_readers:
+            deployment = reader()
+            if deployment is not None:
+                return deployment
+        if "vllm.config" in sys.modules and not _deployment_readers:
+            # vLLM is in use but its deployment cannot be read: refusing is the only safe answer.
+            return Deployment(model_config_error="vLLM is loaded but minimax_vllm is not (its plugin reads the "
+                                                 "deployment from vLLM's config): import minimax_vllm")
+        return Deployment()
 
     # ---- the rewrite ------------------------------------------------------------------------------
     def __call__(self, graph: Graph) -> None:

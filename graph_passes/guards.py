@@ -33,10 +33,10 @@ def step_refusal(kw: dict[str, Any], deployment: Deployment, range_end: int | No
         return f"query_len is not a compile-time constant ({q!r})"
     if not (1 <= q <= MAX_TOKENS):
         return f"query_len={q} outside 1..{MAX_TOKENS}"
-    bounded = range_end is not None and range_end <= MAX_TOKENS
+    bounded = (range_end is not None and range_end <= MAX_TOKENS) or deployment.any_size_graphs
     if not (bounded or statically_known_true(n <= MAX_TOKENS)) or not statically_known_true(n >= 1):
         return f"step of {n} tokens is not known to be within 1..{MAX_TOKENS}"
-    if not statically_known_true(n % q == 0):
+    if not (deployment.any_size_graphs or statically_known_true(n % q == 0)):  # else the op checks per step
         return f"step of {n} tokens is not known to be a multiple of query_len={q}"
     dtypes = {"positions": torch.int64, "slot_mapping": torch.int64, "index_slot_mapping": torch.int64,
               "block_table": torch.int32, "seq_lens": torch.int32}

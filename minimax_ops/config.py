@@ -157,33 +157,34 @@ class MiniMaxM3Config:
     # ---- HuggingFace config.json ---------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> "MiniMaxM3Config":
+        """Either config.json form: the release's (``moe_layer_freq``, ``sparse_attention_config``,
+        top-level ``rope_theta``) or the one transformers' ``save_pretrained`` writes
+        (``layer_types`` / ``mlp_layer_types``, flat ``index_*``, ``rope_parameters``,
+        ``partial_rotary_factor``). A field given in both forms must agree (ConfigError otherwise)."""
         if not isinstance(config, dict):
             raise ConfigError(f"expected a config.json dict, got {type(config).__name__}")
         text = config.get("text_config") or config
-        sparse = dict(text.get("sparse_attention_config") or {})
-        kwargs: dict[str, Any] = {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key, value in text.items():
-            if key in names:
+        release = _release_form(text, cls)
+        hf = _transformers_form(text, cls)
+        kwargs: dict[str, Any] = {k: v for k, v in text.items() if k in {f.name for f in dataclasses.fields(cls)}}
+        if hf and "hidden_act" in kwargs and kwargs["hidden_act"] == "silu":
+            # transformers rewrites the release's "swigluoai" to "silu" and computes SwiGLU-OAI from
+            # swiglu_alpha / swiglu_limit regardless; in that form "silu" means the same activation.
+            kwargs["hidden_act"] = "swigluoai"
+        for key in set(release) & set(hf):
+            if release[key] != hf[key]:
+                raise ConfigError(f"config field '{key}': the release form says {release[key]!r}, the transformers "
+                                  f"form says {hf[key]!r}; a config.json must not disagree with itself")
+        for source in (release, hf):
+            for key, value in source.items():
+                if key in kwargs and key in ("rotary_dim", "rope_theta") and kwargs[key] != value:
+                    raise ConfigError(f"config field '{key}': {kwargs[key]!r} disagrees with {value!r} derived from "
+                                      "partial_rotary_factor / rope_parameters")
                 kwargs[key] = value
-        if "rotary_dim" not in text and "partial_rotary_factor" in text:
-            head_dim = text.get("head_dim", cls.head_dim)
-            kwargs["rotary_dim"] = int(head_dim * float(text["partial_rotary_factor"]))
-        if "num_local_experts" not in text and "num_experts" in text:
-            kwargs["num_local_experts"] = text["num_experts"]
-        for key in ("sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads",
-                    "sparse_index_dim", "sparse_init_block", "sparse_local_block", "sparse_score_type"):
-            if key in sparse:
-                kwargs[key] = sparse[key]
         layers = int(kwargs.get("num_hidden_layers", cls.num_hidden_layers))
-        for key, src in (("moe_layer_freq", text.get("moe_layer_freq")),
-                         ("sparse_attention_freq", sparse.get("sparse_attention_freq"))):
-            if src is None:
+        for key in ("moe_layer_freq", "sparse_attention_freq"):
+            if key not in kwargs:  # neither form names the layer pattern: the real model's
                 kwargs[key] = (0,) * min(3, layers) + (1,) * max(0, layers - 3)
-            elif isinstance(src, int):  # "every k-th layer" form
-                kwargs[key] = tuple(int(i % src == src - 1) if src > 0 else 0 for i in range(layers))
-            else:
-                kwargs[key] = tuple(int(v) for v in src)
         for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
             if key in kwargs:
                 kwargs[key] = float(kwargs[key])
@@ -203,7 +204,68 @@ class MiniMaxM3Config:
         return dataclasses.replace(self, **changes)
 
 
-def _tiny(num_layers: int = 3, num_dense: int = 1) -> MiniMaxM3Config:
+
+SPARSE_KEYS = ("sparse_block_size", "sparse_topk_blocks", "sparse_num_index_heads", "sparse_index_dim",
+               "sparse_init_block", "sparse_local_block", "sparse_score_type")
+# transformers' flat names for the release's sparse_attention_config entries
+TRANSFORMERS_INDEX_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                           "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+                           "index_local_blocks": "sparse_local_block"}
+ATTENTION_LAYER_TYPES = {"full_attention": 0, "minimax_m3_sparse": 1}
+MLP_LAYER_TYPES = {"dense": 0, "sparse": 1}
+
+
+def _release_form(text: dict[str, Any], cls) -> dict[str, Any]:
+    """Fields of the release's config.json form (sparse_attention_config, per-layer flag lists)."""
+    sparse = dict(text.get("sparse_attention_config") or {})
+    out: dict[str, Any] = {k: sparse[k] for k in SPARSE_KEYS if k in sparse}
+    if "num_local_experts" not in text and "num_experts" in text:
+        out["num_local_experts"] = text["num_experts"]
+    layers = int(text.get("num_hidden_layers", cls.num_hidden_layers))
+    for key, src in (("moe_layer_freq", text.get("moe_layer_freq")),
+                     ("sparse_attention_freq", sparse.get("sparse_attention_freq"))):
+        if src is None:
+            continue
+        if isinstance(src, int):  # "every k-th layer" form
+            out[key] = tuple(int(i % src == src - 1) if src > 0 else 0 for i in range(layers))
+        else:
+            out[key] = tuple(int(v) for v in src)
+    return out
+
+
+def _transformers_form(text: dict[str, Any], cls) -> dict[str, Any]:
+    """Fields of the form transformers' save_pretrained writes, named as the release names them."""
+    out: dict[str, Any] = {TRANSFORMERS_INDEX_KEYS[k]: v for k, v in text.items() if k in TRANSFORMERS_INDEX_KEYS}
+    for key, field_name, names in (("layer_types", "sparse_attention_freq", ATTENTION_LAYER_TYPES),
+                                   ("mlp_layer_types", "moe_layer_freq", MLP_LAYER_TYPES)):
+        if text.get(key) is None:
+            continue
+        unknown = sorted({t for t in text[key] if t not in names})
+        if unknown:
+            raise ConfigError(f"config field '{key}': expected entries of {sorted(names)}, got {unknown}")
+        out[field_name] = tuple(names[t] for t in text[key])
+    rope = text.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config field 'rope_parameters': expected a dict, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"config field 'rope_parameters.rope_type': only 'default' RoPE is supported, "
+                              f"got {rope_type!r}")
+        if "rope_theta" in rope:
+            out["rope_theta"] = float(rope["rope_theta"])
+    factor = text.get("partial_rotary_factor", (rope or {}).get("partial_rotary_factor"))
+    if factor is not None:
+        head_dim = text.get("head_dim", cls.head_dim)
+        rotary = head_dim * float(factor)
+        if rotary != int(rotary):
+            raise ConfigError(f"config field 'partial_rotary_factor': head_dim={head_dim} x {factor} is not a whole "
+                              "number of rotary dims")
+        out["rotary_dim"] = int(rotary)
+    return out
+
+
+def _tiny(num_layers: int = 3, num_dense: int = 1, **changes) -> MiniMaxM3Config:
     flags = (0,) * num_dense + (1,) * (num_layers - num_dense)
     return MiniMaxM3Config(
         vocab_size=256, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=8,
@@ -211,13 +273,16 @@ def _tiny(num_layers: int = 3, num_dense: int = 1) -> MiniMaxM3Config:
         dense_intermediate_size=96, intermediate_size=32, shared_intermediate_size=32,
         num_local_experts=8, num_experts_per_tok=2, moe_layer_freq=flags,
         sparse_attention_freq=flags, sparse_block_size=16, sparse_topk_blocks=4,
-        sparse_num_index_heads=2, sparse_index_dim=32)
+        sparse_num_index_heads=2, sparse_index_dim=32).replace(**changes)
 
 
 PRESETS = {
     "real": MiniMaxM3Config,  # MiniMaxAI/MiniMax-M3's text config
     "tiny": _tiny,  # 3 layers (1 dense, 2 sparse MoE), 16-token blocks, top-4 blocks
     "tiny2": lambda: _tiny(2, 1),  # 1 dense + 1 sparse MoE layer, for graph snapshots
+    # 2 dense + 2 sparse MoE layers whose shards stay whole MX blocks at TP 2 and 4 (2 kv heads:
+    # split at TP 2, replicated at TP 4)
+    "tiny_tp": lambda: _tiny(4, 2, intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=128),
 }
 
 

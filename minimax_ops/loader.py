@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
 from .constants import MX_BLOCK
 from .formats import WeightFormat, weight_format
+from .sharding import local_config, shard_tensor
 from .weights import SHARED_IN_TABLE, SHARED_SEPARATE, LayerWeights, ModelWeights
 
 CONFIG_FILE = "config.json"
@@ -61,6 +62,60 @@ ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
 
 class CheckpointError(ValueError):
     """A checkpoint tensor is unknown, missing, mis-shaped or of the wrong dtype (named in the message)."""
+
+
+# ---- the vision-language release: its text model ----------------------------------------------------------
+
+# The official release is the VL model (MiniMaxM3SparseForConditionalGeneration): the text model's tensors
+# sit under LANGUAGE_MODEL, beside parts the text decoder does not use, skipped by these rules (and reported).
+LANGUAGE_MODEL = "language_model."
+SKIPPED_PREFIXES = {"vision_tower.": "vision tower", "multi_modal_projector.": "projector",
+                    "patch_merge_mlp.": "projector"}
+MTP_SEGMENT = "mtp."  # multi-token-prediction modules (speculative heads), e.g. model.mtp.layers.0...
+
+
+def _skipped_part(name: str) -> str | None:
+    for prefix, part in SKIPPED_PREFIXES.items():
+        if name.startswith(prefix):
+            return part
+    if name.startswith(MTP_SEGMENT) or f".{MTP_SEGMENT}" in name:
+        return "MTP"
+    return None
+
+
+def text_model_names(names: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """(text-model name -> checkpoint name, skipped tensors per part) of a checkpoint's names. A VL
+    checkpoint (any name under ``language_model.``) has its text tensors read from under that prefix;
+    vision tower, projector and MTP tensors are skipped in either layout. Anything else keeps its
+    name, so that an unexpected tensor is still rejected by name."""
+    names = list(names)
+    vl = any(n.startswith(LANGUAGE_MODEL) for n in names)
+    mapping: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    for name in names:
+        text = name.removeprefix(LANGUAGE_MODEL) if vl else name
+        part = _skipped_part(text)
+        if part is not None:
+            skipped[part] = skipped.get(part, 0) + 1
+            continue
+        if vl and text == name and not name.startswith(LANGUAGE_MODEL):
+            raise CheckpointError(f"unknown tensor name {name!r} (a vision-language checkpoint keeps its text model "
+                                  f"under {LANGUAGE_MODEL!r}; only {sorted(SKIPPED_PREFIXES)} and MTP tensors "
+                                  "may sit outside it)")
+        if text in mapping:
+            raise CheckpointError(f"{name}: stored twice, as {mapping[text]!r} too")
+        mapping[text] = name
+    if skipped:
+        from .log import log_once
+        log_once("checkpoint: skipped tensors the text decoder does not use: "
+                 + ", ".join(f"{n} {part}" for part, n in sorted(skipped.items())))
+    return mapping, skipped
+
+
+def text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors of a (possibly VL) checkpoint, by text-model name."""
+    mapping, _ = text_model_names(tensors.keys())
+    return {text: tensors[name] for text, name in mapping.items()}
 
 
 # ---- the expected tensors of a config ------------------------------------------------------------
@@ -260,18 +315,26 @@ def _read_layer(rd: _Reader, config: MiniMaxM3Config, i: int, plain, linears, sh
 
 
 def weights_from_tensors(tensors: Mapping[str, torch.Tensor] | _Reader, config: MiniMaxM3Config, *,
-                         shared: str = SHARED_SEPARATE, device: torch.device | str = "cpu") -> ModelWeights:
-    """ModelWeights from checkpoint-named tensors (a state dict, or a reader over safetensors files)."""
+                         shared: str = SHARED_SEPARATE, device: torch.device | str = "cpu", tp_rank: int = 0,
+                         tp_size: int = 1, layers: range | None = None) -> ModelWeights:
+    """ModelWeights from checkpoint-named tensors (a state dict, or a reader over safetensors files).
+    tp_rank / tp_size: this tensor-parallel rank's shard of a full checkpoint (sharding.py), in the
+    shapes of sharding.local_config; layers: only these layers (a pipeline stage), default all."""
     if shared not in (SHARED_SEPARATE, SHARED_IN_TABLE):
         raise ValueError(f"shared: expected {SHARED_SEPARATE!r} or {SHARED_IN_TABLE!r}, got {shared!r}")
     rd = tensors if isinstance(tensors, _Reader) else _Reader(tensors.__getitem__, tensors.keys(), device)
     _check_names(rd.names, config)
+    full, config = config, local_config(config, tp_size)
+    if tp_size > 1:  # each tensor is sharded as it is read, so a rank never holds another rank's part
+        rd = _Reader(lambda name, get=rd._get: shard_tensor(name, get(name), full, tp_rank, tp_size), rd.names,
+                     rd.device)
     plain, linears = _expected(config)
     embed = rd.plain("model.embed_tokens.weight", *plain["model.embed_tokens.weight"])
     lm_head = embed
     if "lm_head.weight" in rd.names:
         lm_head = rd.plain("lm_head.weight", (config.vocab_size, config.hidden_size), (torch.bfloat16,))
-    layers = [_read_layer(rd, config, i, plain, linears, shared) for i in range(config.num_hidden_layers)]
+    layers = [_read_layer(rd, config, i, plain, linears, shared)
+              for i in (range(config.num_hidden_layers) if layers is None else layers)]
     return ModelWeights(embed, layers, rd.plain("model.norm.weight", *plain["model.norm.weight"]), lm_head)
 
 
@@ -289,10 +352,11 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_weights(path_or_dir: str | os.PathLike, config: MiniMaxM3Config | None = None, *,
-                 shared: str = SHARED_SEPARATE, device: torch.device | str = "cpu"
-                 ) -> tuple[MiniMaxM3Config, ModelWeights]:
-    """Read a checkpoint directory (or one .safetensors file) into the fused ModelWeights.
-    config defaults to the config.json beside the tensors."""
+                 shared: str = SHARED_SEPARATE, device: torch.device | str = "cpu", tp_rank: int = 0,
+                 tp_size: int = 1, layers: range | None = None) -> tuple[MiniMaxM3Config, ModelWeights]:
+    """Read a checkpoint directory (or one .safetensors file) into the fused ModelWeights (one
+    tensor-parallel rank's shard, one pipeline stage's layers: see weights_from_tensors).
+    config defaults to the config.json beside the tensors; the whole model's config is returned."""
     path = Path(path_or_dir)
     if config is None:
         config_path = (path.parent if path.is_file() else path) / CONFIG_FILE
@@ -307,17 +371,23 @@ def load_weights(path_or_dir: str | os.PathLike, config: MiniMaxM3Config | None 
             if name in where:
                 raise CheckpointError(f"{name}: stored twice, in {where[name].name} and {f.name}")
             where[name] = f
-    reader = _Reader(lambda name: handles[where[name]].get_tensor(name), where, device)
-    return config, weights_from_tensors(reader, config, shared=shared, device=device)
+    stored, _ = text_model_names(where)  # text-model name -> stored name (VL prefix, skipped parts)
+    reader = _Reader(lambda name: handles[where[stored[name]]].get_tensor(stored[name]), stored, device)
+    return config, weights_from_tensors(reader, config, shared=shared, device=device, tp_rank=tp_rank,
+                                        tp_size=tp_size, layers=layers)
 
 
 def load_model(path: str | os.PathLike, config: MiniMaxM3Config | None = None, *, shared: str = SHARED_SEPARATE,
-               device: torch.device | str = "cpu"):
-    """MiniMaxM3ForCausalLM with the checkpoint's weights."""
+               device: torch.device | str = "cpu", tp_group=None, layers: range | None = None):
+    """MiniMaxM3ForCausalLM with the checkpoint's weights. tp_group: a torch.distributed ProcessGroup;
+    the model then holds this process's shard (its rank in the group) and all-reduces over the group."""
     from .model import MiniMaxM3ForCausalLM
 
-    config, weights = load_weights(path, config, shared=shared, device=device)
-    return MiniMaxM3ForCausalLM(config, weights)
+    tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+    config, weights = load_weights(path, config, shared=shared, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                                   layers=layers)
+    return MiniMaxM3ForCausalLM(config, weights, tp_size=tp_size, tp_group=tp_group if tp_size > 1 else None,
+                                layers=layers)
 
 
 # ---- writing -------------------------------------------------------------------------------------------

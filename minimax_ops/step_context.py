@@ -7,13 +7,12 @@ the query length they were traced for, they compute the general (any-step) versi
 facts are host-side and identical on every rank (the scheduler's metadata), and reading them needs
 no device sync. Under a full CUDA graph the decision is taken once at capture, per batch kind.
 
-The current step is what ``use_step(meta)`` set, else a StepMetadata passed to vLLM as the forward
-context's attn_metadata; None outside both (plain torch.compile: Dynamo guards decided already).
+The current step is what ``use_step(meta)`` set (the vLLM model sets it around each step, from vLLM's
+attention metadata: minimax_vllm); None outside (plain torch.compile: Dynamo guards decided already).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,18 +33,7 @@ def use_step(meta: StepMetadata) -> Iterator[StepMetadata]:
 
 
 def current_step() -> StepMetadata | None:
-    step = getattr(_local, "step", None)
-    if step is not None:
-        return step
-    forward_context = sys.modules.get("vllm.forward_context")  # only if vLLM is already in use
-    if forward_context is not None:
-        try:
-            attn = forward_context.get_forward_context().attn_metadata
-        except (AssertionError, AttributeError):  # no forward context set
-            return None
-        if isinstance(attn, StepMetadata):
-            return attn
-    return None
+    return getattr(_local, "step", None)
 
 
 def general_step(query_len: int) -> StepMetadata | None:

@@ -16,11 +16,12 @@ import functools
 import pytest
 import torch
 
-from minimax_ops.cache import allocate_caches, build_step
+from minimax_ops.cache import LayerCache, allocate_caches, build_step
 from minimax_ops.config import SPARSE_MOE, preset
 from minimax_ops.constants import MAX_TOKENS
 from minimax_ops.model import MiniMaxM3DecoderLayer
-from minimax_ops.ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops import fused as fused_ops
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
 from minimax_ops.ops.validate import StepValueError
 from minimax_ops.weights import random_layer_weights
 
@@ -307,11 +308,21 @@ def test_seq_len_shorter_than_query_len(layer_index):
 
 
 @pytest.mark.parametrize("layer_index", KINDS)
-def test_more_than_max_tokens(layer_index):
+def test_more_than_max_tokens_runs_the_unfused_stages(layer_index):
+    """A graph that serves every step size (vLLM's trace-once mode) holds the fused op for large steps
+    too: above MAX_TOKENS it runs the unfused stages, with their answer and cache writes."""
     contexts = [3 * r + 1 for r in range(MAX_TOKENS + 1)]
     call = OpCall(layer_index, contexts, 1, pad_requests=0, num_blocks=48)
     assert call.num_tokens == MAX_TOKENS + 1
-    assert_refused(call, RuntimeError, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got {MAX_TOKENS + 1}")
+    caches = [c.clone() for c in call.caches()]
+    calls = dict(fused_ops.impl_calls)
+    out, residual = call()
+    assert fused_ops.impl_calls != calls  # the fused op's implementation ran (and chose the stages)
+    x, res, meta = call.x, call.residual, call.meta
+    cache = LayerCache(*caches) if len(caches) == 2 else LayerCache(caches[0])
+    want, want_res = call.layer(x, res, meta.positions, cache, meta, True)
+    assert torch.equal(out, want) and torch.equal(residual, want_res)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(call.caches(), caches))
 
 
 @pytest.mark.parametrize("layer_index", KINDS)
@@ -320,7 +331,7 @@ def test_no_tokens(layer_index):
     for name in ("x", "residual", "positions", "slot_mapping", "index_slot_mapping"):
         if name in call.args:
             call.args[name] = call.args[name][:0]
-    assert_refused(call, RuntimeError, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got 0")
+    assert_refused(call, RuntimeError, "x: expected at least 1 token, got 0")
 
 
 @pytest.mark.parametrize("layer_index", KINDS)

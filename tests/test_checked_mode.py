@@ -22,9 +22,10 @@ from graph_passes import MiniMaxM3DecodePass
 from minimax_ops.cache import allocate_caches, build_step
 from minimax_ops.config import SPARSE_MOE, preset
 from minimax_ops.model import MiniMaxM3DecoderLayer, MiniMaxM3ForCausalLM
+from minimax_ops.ops import chain
 from minimax_ops.ops import fused as fused_ops
 from minimax_ops.ops.checked import CheckedModeError
-from minimax_ops.ops.fused import DENSE_WEIGHTS, SPARSE_WEIGHTS
+from minimax_ops.ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS
 from minimax_ops.reference_model import model_forward
 from minimax_ops.weights import random_layer_weights
 
@@ -108,22 +109,30 @@ class Case:
             c.num_local_experts, c.swiglu_alpha, c.swiglu_limit, 1.0, 1.0, **extra)
 
 
-def impl_name(case: Case) -> str:
-    return "fused_sparse_impl" if case.kind == SPARSE_MOE else "fused_dense_impl"
+def hook_names(case: Case) -> tuple[str, str]:
+    """fused.py's implementation hooks (attention half, FFN half) for the case's layer kind."""
+    return ("SPARSE_ATTENTION_IMPL", "SPARSE_FFN_IMPL") if case.kind == SPARSE_MOE else \
+        ("DENSE_ATTENTION_IMPL", "DENSE_FFN_IMPL")
 
 
 def patch_fused(monkeypatch, case: Case, change):
-    """Replace the fused implementation of the case's layer kind by the real one followed by
-    ``change(out, residual, kv_cache, index_cache) -> (out, residual)``."""
-    real = getattr(fused_ops, impl_name(case))
+    """Replace the fused implementation of the case's layer kind (its two halves) by the real one followed
+    by ``change(out, residual, kv_cache, index_cache) -> (out, residual)``."""
+    attention_name, ffn_name = hook_names(case)
+    real_attention, real_ffn = getattr(fused_ops, attention_name), getattr(fused_ops, ffn_name)
     sparse = case.kind == SPARSE_MOE
+    caches = []
 
-    def wrapper(*args):
-        out, residual = real(*args)
-        kv, index = (args[7], args[8]) if sparse else (args[6], None)
-        return change(out.clone(), residual.clone(), kv, index)
+    def attention(*args):
+        caches[:] = (args[7], args[8]) if sparse else (args[6], None)
+        return real_attention(*args)
 
-    monkeypatch.setattr(fused_ops, impl_name(case), wrapper)
+    def ffn(*args):
+        out, residual = real_ffn(*args)
+        return change(out.clone(), residual.clone(), *caches)
+
+    monkeypatch.setattr(fused_ops, attention_name, attention)
+    monkeypatch.setattr(fused_ops, ffn_name, ffn)
 
 
 def add_to_row(t: torch.Tensor, row: int, value) -> torch.Tensor:
@@ -192,9 +201,10 @@ def test_caches_written_once_by_the_fused_path(monkeypatch, layer_index):
             return real(*args)
         return call
 
-    stages_name = "_sparse_stages" if sparse else "_dense_stages"
-    monkeypatch.setattr(fused_ops, impl_name(case), spy("fused", getattr(fused_ops, impl_name(case))))
-    monkeypatch.setattr(fused_ops, stages_name, spy("unfused", getattr(fused_ops, stages_name)))
+    chain_name = "sparse_attention" if sparse else "dense_attention"
+    hook = hook_names(case)[0]
+    monkeypatch.setattr(fused_ops, hook, spy("fused", getattr(fused_ops, hook)))
+    monkeypatch.setattr(chain, chain_name, spy("unfused", getattr(chain, chain_name)))
     monkeypatch.setenv("MINIMAX_OPS_CHECK", "1")
     cache = case.cache.clone()
     real_ptrs = (cache.kv.data_ptr(), None if cache.index is None else cache.index.data_ptr())
@@ -351,13 +361,13 @@ def test_compiled_checked_pass_disagreement(monkeypatch, compiled_checked):
     and the error keeps its type through the compiled code."""
     config, weights, graph_pass, compiled = compiled_checked
     ids, meta, caches = gt.step_inputs(config, CONTEXTS, QUERY_LEN, seed=5)
-    real = fused_ops.fused_sparse_impl
+    real = fused_ops.SPARSE_FFN_IMPL
 
     def perturbed(*args):
         out, residual = real(*args)
         return add_to_row(out.clone(), 1, 0.5 * out[1].float().abs().amax()), residual
 
-    monkeypatch.setattr(fused_ops, "fused_sparse_impl", perturbed)
+    monkeypatch.setattr(fused_ops, "SPARSE_FFN_IMPL", perturbed)
     calls = graph_pass.calls
     with gt.uncached_compiles(), pytest.raises(CheckedModeError, match=r"layer 1 \(sparse_moe\) token 1 out"):
         compiled(ids, meta.positions, caches, meta)

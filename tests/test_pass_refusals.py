@@ -21,6 +21,7 @@ from graph_passes import Deployment, MiniMaxM3DecodePass, deployment_refusal
 from graph_passes.decode_layer_patterns import PATTERNS
 from graph_passes.fx_utils import arg, op_of
 from graph_passes.guards import step_refusal
+from minimax_ops.config import preset
 from minimax_ops.constants import MAX_CONTEXT, MAX_TOKENS
 from minimax_ops.model import MiniMaxM3ForCausalLM
 
@@ -173,17 +174,18 @@ def test_fp8_kv_under_an_fp8_deployment_is_fused(caplog):
     assert _reasons(caplog) == []
 
 
-def test_unsupported_tensor_parallelism_is_logged_once_over_two_compiles(caplog):
-    p = MiniMaxM3DecodePass(Deployment(tensor_parallel_size=4), record=True)
+def test_unsplittable_tensor_parallelism_is_logged_once_over_two_compiles(caplog):
+    """tiny2 has 8 heads and 2 kv heads: TP 3 splits neither."""
+    p = MiniMaxM3DecodePass(Deployment(tensor_parallel_size=3, model_config=gt.tiny2_weights()[0]), record=True)
     compiled, first = _run(p, [37, 20], 1, seed=6)
     config, weights = gt.tiny2_weights()
     ids, meta, caches = gt.step_inputs(config, [37, 20], 2, seed=7)  # new shapes: a second compile
     second = gt.run_against_reference(compiled, config, weights, ids, meta, caches)
     for result in (first, second):
         _assert_untouched(p, result, calls=2)
-    assert _assert_logged_once(caplog, "tensor_parallel_size=4") == [
-        "fused decode refused for this deployment: tensor_parallel_size=4 is not supported by the fused decode "
-        "(supported: [1])"]
+    assert _assert_logged_once(caplog, "tensor_parallel_size=3") == [
+        "fused decode refused for this deployment: the model does not split for tensor parallelism: "
+        "tensor_parallel_size=3: num_attention_heads=8 does not split evenly"]
 
 
 @pytest.mark.parametrize("deployment,fragment", [
@@ -200,7 +202,10 @@ def test_refused_deployment_leaves_the_graph_alone(deployment, fragment, caplog)
 
 @pytest.mark.parametrize("changes,refused", [
     ({}, False), ({"max_model_len": MAX_CONTEXT}, False), ({"kv_cache_dtype": "fp8_e4m3"}, False),
-    ({"tensor_parallel_size": 2}, True), ({"data_parallel_size": 2}, True), ({"pipeline_parallel_size": 2}, True),
+    ({"tensor_parallel_size": 2}, False), ({"tensor_parallel_size": 8}, False), ({"data_parallel_size": 2}, False),
+    ({"pipeline_parallel_size": 2}, False), ({"tensor_parallel_size": 4, "model_config": preset("tiny_tp")}, False),
+    ({"tensor_parallel_size": 16, "model_config": preset("tiny")}, True),  # 8 heads do not split 16 ways
+    ({"tensor_parallel_size": 4, "model_config": preset("tiny")}, True),  # expert intermediate 32 / 4: not MX blocks
     ({"enable_expert_parallel": True}, True), ({"kv_cache_dtype": "fp8_e5m2"}, True),
     ({"index_cache_dtype": "int8"}, True), ({"splitting_ops": ("torch.ops.minimax.sparse_attention_decode",)}, True),
     ({"splitting_ops": ("vllm::unified_attention",)}, False),

@@ -59,34 +59,34 @@ full = aten.full([2, 64], 0, dtype=torch.bfloat16, layout=torch.strided, device=
 add_rmsnorm = minimax.add_rmsnorm(embedding, full, in7, 1e-06)
 mx_linear = minimax.mx_linear(add_rmsnorm[0], in8, None)
 qk_norm_rope_kv_insert = af_v2 minimax.qk_norm_rope_kv_insert(qkv=mx_linear, positions=in1, slot_mapping=in2,
-    q_norm=in9, k_norm=in10, kv_cache=in11!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
+    q_norm=in9, k_norm=in10, kv_cache=in15!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
     rope_theta=5000000.0, eps=1e-06)
 dense_attention_decode = minimax.dense_attention_decode(qk_norm_rope_kv_insert[0], qk_norm_rope_kv_insert[1],
     in4, in5, 1, 1.0, 1.0)
-mx_linear_1 = minimax.mx_linear(dense_attention_decode, in12, None)
-add_rmsnorm_1 = minimax.add_rmsnorm(mx_linear_1, add_rmsnorm[1], in13, 1e-06)
-mlp = minimax.mlp(add_rmsnorm_1[0], in14, None, in15, None, 1.702, 7.0)
+mx_linear_1 = minimax.mx_linear(dense_attention_decode, in11, None)
+add_rmsnorm_1 = minimax.add_rmsnorm(mx_linear_1, add_rmsnorm[1], in12, 1e-06)
+mlp = minimax.mlp(add_rmsnorm_1[0], in13, None, in14, None, 1.702, 7.0)
 add_rmsnorm_2 = minimax.add_rmsnorm(mlp, add_rmsnorm_1[1], in16, 1e-06)
 mx_linear_2 = minimax.mx_linear(add_rmsnorm_2[0], in17, None)
 qk_norm_rope_kv_index_insert = af_v2 minimax.qk_norm_rope_kv_index_insert(qkv=mx_linear_2, positions=in1,
     slot_mapping=in2, index_slot_mapping=in3, q_norm=in18, k_norm=in19, index_q_norm=in20, index_k_norm=in21,
-    kv_cache=in22!, index_cache=in23!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
+    kv_cache=in30!, index_cache=in31!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
     rope_theta=5000000.0, eps=1e-06, index_heads=2, index_dim=32)
 index_topk = minimax.index_topk(qk_norm_rope_kv_index_insert[1], qk_norm_rope_kv_index_insert[3], in4, in5, 1,
     4)
 sparse_attention_decode = minimax.sparse_attention_decode(qk_norm_rope_kv_index_insert[0],
     qk_norm_rope_kv_index_insert[2], in4, in5, index_topk, 1, 1.0, 1.0)
-mx_linear_3 = minimax.mx_linear(sparse_attention_decode, in24, None)
-add_rmsnorm_3 = minimax.add_rmsnorm(mx_linear_3, add_rmsnorm_2[1], in25, 1e-06)
-route = minimax.route(add_rmsnorm_3[0], in26, in27, 2, 2.0)
-moe_experts = minimax.moe_experts(add_rmsnorm_3[0], route[1], route[0], in28, None, in29, None, in30, None,
-    in31, None, 8, 1.702, 7.0)
+mx_linear_3 = minimax.mx_linear(sparse_attention_decode, in22, None)
+add_rmsnorm_3 = minimax.add_rmsnorm(mx_linear_3, add_rmsnorm_2[1], in23, 1e-06)
+route = minimax.route(add_rmsnorm_3[0], in24, in25, 2, 2.0)
+moe_experts = minimax.moe_experts(add_rmsnorm_3[0], route[1], route[0], in26, None, in27, None, in28, None,
+    in29, None, 8, 1.702, 7.0)
 add_rmsnorm_4 = minimax.add_rmsnorm(moe_experts, add_rmsnorm_3[1], in32, 1e-06)
 mx_linear_4 = minimax.mx_linear(add_rmsnorm_4[0], in33, None)
 convert_element_type = prims.convert_element_type(mx_linear_4, torch.float32)
-copy_ = aten.copy_(in11, qk_norm_rope_kv_insert[1])
-copy__1 = aten.copy_(in22, qk_norm_rope_kv_index_insert[2])
-copy__2 = aten.copy_(in23, qk_norm_rope_kv_index_insert[3])
+copy_ = aten.copy_(in15, qk_norm_rope_kv_insert[1])
+copy__1 = aten.copy_(in30, qk_norm_rope_kv_index_insert[2])
+copy__2 = aten.copy_(in31, qk_norm_rope_kv_index_insert[3])
 return (convert_element_type,)
 """)
 
@@ -95,26 +95,26 @@ return (convert_element_type,)
 embedding = aten.embedding(in6, in0)
 full = aten.full([2, 64], 0, dtype=torch.bfloat16, layout=torch.strided, device=<device>, pin_memory=False)
 fused_dense_decode_layer = af_v2 minimax.fused_dense_decode_layer(x=embedding, residual=full, positions=in1,
-    slot_mapping=in2, block_table=in4, seq_lens=in5, kv_cache=in11!, input_norm=in7, qkv=in8, qkv_scale=None,
-    q_norm=in9, k_norm=in10, o_proj=in12, o_proj_scale=None, post_norm=in13, w13=in14, w13_scale=None,
-    w2=in15, w2_scale=None, query_len=1, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
+    slot_mapping=in2, block_table=in4, seq_lens=in5, kv_cache=in15!, input_norm=in7, qkv=in8, qkv_scale=None,
+    q_norm=in9, k_norm=in10, o_proj=in11, o_proj_scale=None, post_norm=in12, w13=in13, w13_scale=None,
+    w2=in14, w2_scale=None, query_len=1, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
     rope_theta=5000000.0, eps=1e-06, alpha=1.702, limit=7.0, k_scale=1.0, v_scale=1.0, layer_index=0,
-    checked=False)
+    checked=False, group_name=)
 fused_decode_layer = af_v2 minimax.fused_decode_layer(x=fused_dense_decode_layer[0],
     residual=fused_dense_decode_layer[1], positions=in1, slot_mapping=in2, index_slot_mapping=in3,
-    block_table=in4, seq_lens=in5, kv_cache=in22!, index_cache=in23!, input_norm=in16, qkv=in17,
-    qkv_scale=None, q_norm=in18, k_norm=in19, index_q_norm=in20, index_k_norm=in21, o_proj=in24,
-    o_proj_scale=None, post_norm=in25, gate=in26, gate_bias=in27, w13=in28, w13_scale=None, w2=in29,
-    w2_scale=None, shared_w13=in30, shared_w13_scale=None, shared_w2=in31, shared_w2_scale=None, query_len=1,
+    block_table=in4, seq_lens=in5, kv_cache=in30!, index_cache=in31!, input_norm=in16, qkv=in17,
+    qkv_scale=None, q_norm=in18, k_norm=in19, index_q_norm=in20, index_k_norm=in21, o_proj=in22,
+    o_proj_scale=None, post_norm=in23, gate=in24, gate_bias=in25, w13=in26, w13_scale=None, w2=in27,
+    w2_scale=None, shared_w13=in28, shared_w13_scale=None, shared_w2=in29, shared_w2_scale=None, query_len=1,
     num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16, rope_theta=5000000.0, eps=1e-06, index_heads=2,
     index_dim=32, topk_blocks=4, top_k=2, routed_scaling=2.0, num_routed_experts=8, alpha=1.702, limit=7.0,
-    k_scale=1.0, v_scale=1.0, layer_index=1, checked=False)
+    k_scale=1.0, v_scale=1.0, layer_index=1, checked=False, group_name=)
 add_rmsnorm = minimax.add_rmsnorm(fused_decode_layer[0], fused_decode_layer[1], in32, 1e-06)
 mx_linear = minimax.mx_linear(add_rmsnorm[0], in33, None)
 convert_element_type = prims.convert_element_type(mx_linear, torch.float32)
-copy_ = aten.copy_(in11, fused_dense_decode_layer[2])
-copy__1 = aten.copy_(in22, fused_decode_layer[2])
-copy__2 = aten.copy_(in23, fused_decode_layer[3])
+copy_ = aten.copy_(in15, fused_dense_decode_layer[2])
+copy__1 = aten.copy_(in30, fused_decode_layer[2])
+copy__2 = aten.copy_(in31, fused_decode_layer[3])
 return (convert_element_type,)
 """)
 

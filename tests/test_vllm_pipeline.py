@@ -1,15 +1,16 @@
-"""The fused decode through vLLM 0.33's real VLLM_COMPILE pipeline, on CPU.
+"""The fused decode through vLLM's real VLLM_COMPILE pipeline, on CPU.
 
 MiniMaxM3VllmModel (preset "tiny2": 1 dense + 1 sparse MoE layer) is compiled once per module by vLLM's
 @support_torch_compile -> VllmBackend -> PiecewiseBackend -> PostGradPassManager, with the decode pass as
 post_grad_custom_post_pass, compile ranges [1, 16] and [17, 64] and no splitting ops. The steps then run
-the way vLLM's model runner calls a model: inside a forward context whose attn_metadata is the step's
-StepMetadata. Every step is checked against reference_model.model_forward (logits and cache bytes).
+the way vLLM's model runner calls a model: inside a forward context, the step's StepMetadata current
+(minimax_ops.step_context). Every step is checked against reference_model.model_forward (logits and
+cache bytes). The engine itself (scheduler, KV-cache allocation, vllm.LLM) is tested in test_vllm_engine.py.
 
-Set-up that keeps the pass visible (see /work/notes/vllm_findings.md): temporary VLLM_CACHE_ROOT and
-TORCHINDUCTOR_CACHE_DIR, VLLM_DISABLE_COMPILE_CACHE=1 and fx_graph_cache off (a cached artifact skips the
-pass), DeviceConfig("cpu") with VLLM_TARGET_DEVICE unset (VLLM_TARGET_DEVICE=cpu would turn VLLM_COMPILE
-into DYNAMO_TRACE_ONCE, outside the pass manager), compile_sizes=[] (None fails on CPU).
+Set-up that keeps the pass visible: temporary VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR,
+VLLM_DISABLE_COMPILE_CACHE=1 and fx_graph_cache off (a cached artifact skips the pass), VLLM_COMPILE kept
+on vLLM's CPU platform (which would turn it into its trace-once mode: vllm_support.forced_vllm_compile),
+compile_sizes=[] (None fails on CPU). VLLM_TARGET_DEVICE=cpu may be set or not.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+import pathlib
+import tomllib
+from importlib.metadata import EntryPoint, entry_points
 
 import pytest
 from conftest import minimax_reasons
+from vllm_support import NO_VLLM_FUSIONS, forced_vllm_compile, isolate_compile_caches, require_vllm
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,10 +56,10 @@ if VLLM_IMPORT_ERROR is None:  # our own modules are imported unguarded: a bug i
                              DeviceConfig, ModelConfig, ParallelConfig, PassConfig, SchedulerConfig, VllmConfig,
                              set_current_vllm_config)
 
-    import graph_passes.vllm_config as vllm_config_module
-    from graph_passes.vllm_config import deployment_from_vllm_config, minimax_m3_config_from_vllm
-    from graph_passes.vllm_plugin import C_OPS_LOOKED_UP, register
-    from minimax_ops.vllm_model import MiniMaxM3VllmModel, run_step
+    import minimax_vllm.deployment as vllm_config_module
+    from minimax_vllm.deployment import deployment_from_vllm_config, minimax_m3_config_from_vllm
+    from minimax_vllm.plugin import C_OPS_LOOKED_UP, register
+    from minimax_vllm.compiled import MiniMaxM3VllmModel, run_step
 
 CFG = preset("tiny2")
 BS = CFG.sparse_block_size  # 16
@@ -67,8 +71,8 @@ TOLERANCE = 1e-2  # bf16 activations
 
 @pytest.fixture(scope="module")
 def vllm():
-    """vLLM itself (skips where it is not installed; CI installs it, see test_ci_runs_these_tests)."""
-    return pytest.importorskip("vllm", reason=f"vLLM is not installed ({VLLM_IMPORT_ERROR!r})")
+    """vLLM itself (skips where it is not installed; in CI a missing vLLM fails)."""
+    return require_vllm()
 
 
 def test_ci_runs_these_tests():
@@ -82,11 +86,8 @@ def test_ci_runs_these_tests():
 def isolated_caches(vllm, tmp_path_factory):
     """Fresh compile caches for this module (a cached artifact would skip the pass), restored after."""
     root = tmp_path_factory.mktemp("vllm_pipeline")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
-        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-        mp.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # also turns vLLM's AOT compile off
-        mp.delenv("VLLM_TARGET_DEVICE", raising=False)
+    with pytest.MonkeyPatch.context() as mp, forced_vllm_compile(mp):
+        isolate_compile_caches(mp, root)
         yield root
 
 
@@ -100,13 +101,6 @@ _reasons = minimax_reasons
 
 # ---- building VllmConfigs ------------------------------------------------------------------------------
 
-# Only the decode pass: vLLM's own fusions need its CUDA ops.
-NO_VLLM_FUSIONS = dict(fuse_norm_quant=False, fuse_act_quant=False, fuse_attn_quant=False, fuse_allreduce_rms=False,
-                       enable_qk_norm_rope_fusion=False, fuse_rope_kvcache_cat_mla=False, fuse_act_padding=False,
-                       fuse_mla_dual_rms_norm=False, fuse_rope_kvcache=False, fuse_qk_norm_rope_kvcache=False,
-                       eliminate_noops=True)
-
-
 def vllm_config(graph_pass=None, **parts) -> VllmConfig:
     """A CPU VllmConfig: VLLM_COMPILE, ranges [1, 16] and [17, 64], no splitting ops, no CUDA graphs."""
     inductor = {"fx_graph_cache": False, "combo_kernels": False, "benchmark_combo_kernel": False}
@@ -117,6 +111,7 @@ def vllm_config(graph_pass=None, **parts) -> VllmConfig:
         compile_sizes=[], compile_ranges_endpoints=[MAX_TOKENS], inductor_compile_config=inductor,
         pass_config=PassConfig(**NO_VLLM_FUSIONS)))
     parts.setdefault("device_config", DeviceConfig(device="cpu"))
+    parts.setdefault("cache_config", CacheConfig(block_size=BS))  # the platform's default is 128
     parts.setdefault("scheduler_config", SchedulerConfig.default_factory(
         max_num_batched_tokens=MAX_BATCHED, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS))
     return VllmConfig(**parts)
@@ -162,9 +157,15 @@ def test_dotted_name_resolves_to_the_package_instance(vllm):
 
 
 def test_plugin_entry_point_registers_the_ops_idempotently(vllm):
-    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "minimax_ops"]
-    assert ep.value == "graph_passes.vllm_plugin:register"
-    hook = ep.load()
+    # The entry point as pyproject.toml declares it (the one an install gives vLLM), and the installed
+    # one where the package is installed.
+    declared = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    value = declared["project"]["entry-points"]["vllm.general_plugins"]["minimax_ops"]
+    assert value == "minimax_vllm.plugin:register"
+    for installed in entry_points(group="vllm.general_plugins"):
+        if installed.name == "minimax_ops":
+            assert installed.value == value
+    hook = EntryPoint("minimax_ops", value, "vllm.general_plugins").load()
     hook()
     hook()  # vLLM calls it in every process, possibly more than once
     assert hasattr(torch.ops.minimax, "fused_decode_layer")
@@ -343,22 +344,33 @@ def test_larger_steps_run_the_untouched_range(compiled, context_lens, query_lens
 
 
 @pytest.mark.parametrize("parts,fragment", [
-    (lambda: {"parallel_config": ParallelConfig(tensor_parallel_size=2)}, "tensor_parallel_size=2 is not supported"),
-    (lambda: {"parallel_config": ParallelConfig(pipeline_parallel_size=2)}, "pipeline_parallel_size=2"),
-    (lambda: {"parallel_config": ParallelConfig(data_parallel_size=2)}, "data_parallel_size=2"),
+    # tiny's experts (intermediate 32) do not split into whole MX blocks at TP 2
+    (lambda: {"parallel_config": ParallelConfig(tensor_parallel_size=2)},
+     "the model does not split for tensor parallelism: tensor_parallel_size=2"),
     (lambda: {"parallel_config": ParallelConfig(enable_expert_parallel=True)}, "expert parallelism is enabled"),
-    (lambda: {"cache_config": CacheConfig(cache_dtype="fp8_e5m2")}, "kv cache dtype 'fp8_e5m2' is not supported"),
+    (lambda: {"cache_config": CacheConfig(cache_dtype="fp8_e5m2", block_size=BS)}, "kv cache dtype 'fp8_e5m2' is not supported"),
     (lambda: {"cache_config": CacheConfig(block_size=64)}, "cache block size 64 differs from the model's sparse "
                                                              "block size 16"),
     (lambda: {"attention_config": AttentionConfig(indexer_kv_dtype="mxfp4")},
      "index cache dtype 'mxfp4' is not supported"),
     (lambda: {"compilation_config": CompilationConfig(splitting_ops=["minimax::sparse_attention_decode"])},
      "splitting_ops ['minimax::sparse_attention_decode'] split decode layers apart"),
-], ids=["tp2", "pp2", "dp2", "expert-parallel", "kv-fp8-e5m2", "block-size", "indexer-mxfp4", "splitting-ops"])
+], ids=["tp2-unsplittable", "expert-parallel", "kv-fp8-e5m2", "block-size", "indexer-mxfp4", "splitting-ops"])
 def test_refused_vllm_deployments_give_a_clear_reason(isolated_caches, parts, fragment):
     config = vllm_config(**parts())
     reason = deployment_refusal(deployment_from_vllm_config(config, CFG))
     assert reason is not None and fragment in reason, reason
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=4),
+                                      dict(pipeline_parallel_size=2), dict(data_parallel_size=2)],
+                         ids=["tp2", "tp4", "pp2", "dp2"])
+def test_tensor_pipeline_and_data_parallelism_are_served(isolated_caches, parallel):
+    model = preset("tiny_tp")
+    config = vllm_config(parallel_config=ParallelConfig(**parallel),
+                         cache_config=CacheConfig(block_size=model.sparse_block_size))
+    deployment = deployment_from_vllm_config(config, model)
+    assert deployment_refusal(deployment) is None
 
 
 def test_piecewise_cudagraphs_are_refused(isolated_caches):
@@ -392,7 +404,7 @@ def test_default_vllm_deployment_is_served(isolated_caches):
 
 
 def test_fp8_kv_deployment_refuses_a_bf16_cache_and_the_wrapper_allocates_fp8(isolated_caches):
-    config = vllm_config(cache_config=CacheConfig(cache_dtype="fp8"),
+    config = vllm_config(cache_config=CacheConfig(cache_dtype="fp8", block_size=BS),
                          attention_config=AttentionConfig(indexer_kv_dtype="fp8"))
     d = deployment_from_vllm_config(config, CFG)
     assert deployment_refusal(d) is None  # fp8 e4m3 is served, as long as the traced cache holds it
@@ -428,13 +440,13 @@ def test_max_model_len_beyond_the_fused_limit_is_refused(isolated_caches, tmp_pa
 
 
 def test_refusal_is_logged_once_by_the_pass(isolated_caches, caplog):
-    config = vllm_config(parallel_config=ParallelConfig(tensor_parallel_size=2))
+    config = vllm_config(parallel_config=ParallelConfig(enable_expert_parallel=True))
     p = MiniMaxM3DecodePass()
     with set_current_vllm_config(config):  # as PostGradPassManager.configure sets it
         for _ in range(3):
             p(fx.Graph())
-    assert _reasons(caplog) == ["fused decode refused for this deployment: tensor_parallel_size=2 is not "
-                                "supported by the fused decode (supported: [1])"]
+    reasons = _reasons(caplog)
+    assert len(reasons) == 1 and reasons[0].startswith("fused decode refused for this deployment: expert parallelism")
     assert p.rewrites == 0 and p.calls == 3
 
 
@@ -458,7 +470,7 @@ def test_uuid_follows_the_current_vllm_config(isolated_caches):
     p = graph_passes.minimax_m3_decode_pass
     uuids = {}
     for name, parts in {"default": {}, "default-again": {},
-                        "fp8": {"cache_config": CacheConfig(cache_dtype="fp8")},
+                        "fp8": {"cache_config": CacheConfig(cache_dtype="fp8", block_size=BS)},
                         "tp2": {"parallel_config": ParallelConfig(tensor_parallel_size=2)}}.items():
         with set_current_vllm_config(vllm_config(**parts)):
             uuids[name] = p.uuid()

@@ -27,8 +27,12 @@ def _add_rmsnorm(x, residual, weight, eps):
     return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
 
 
-def _mx_linear(x, weight, scale):
-    return mx_linear.mx_linear(x, weight, scale, pdl=True)
+def _out_dtype(out_fp32: bool) -> torch.dtype:
+    return torch.float32 if out_fp32 else torch.bfloat16
+
+
+def _mx_linear(x, weight, scale, out_fp32=False):
+    return mx_linear.mx_linear(x, weight, scale, out_dtype=_out_dtype(out_fp32), pdl=True)
 
 
 def _qk_norm_rope_kv_index_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
@@ -67,16 +71,18 @@ def _route(h, gate, gate_bias, top_k, scaling):
 
 
 def _moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-                 shared_w2_scale, num_routed_experts, alpha, limit):
-    return moe.moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
-                           shared_w2, shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha,
-                           limit=limit, pdl=True)
+                 shared_w2_scale, num_routed_experts, alpha, limit, out_fp32=False):
+    out = moe.moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
+                          shared_w2, shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha,
+                          limit=limit, pdl=True)
+    return out.float() if out_fp32 else out  # (the vocabulary op's tensor-parallel partial form)
 
 
-def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit):
+def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
     # The SwiGLU between the projections is a torch op: the PDL chain restarts after it.
     gate, up = mx_linear.mx_linear(h, w13, w13_scale, out_dtype=torch.float32, pdl=True).chunk(2, dim=-1)
-    return mx_linear.mx_linear(swiglu_oai(gate, up, alpha, limit).to(torch.bfloat16), w2, w2_scale, pdl=True)
+    return mx_linear.mx_linear(swiglu_oai(gate, up, alpha, limit).to(torch.bfloat16), w2, w2_scale,
+                               out_dtype=_out_dtype(out_fp32), pdl=True)
 
 
 KERNEL_STAGES = SimpleNamespace(

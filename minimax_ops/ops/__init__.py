@@ -1,3 +1,3 @@
 """torch.ops.minimax.*: importing this package registers every op (and its fake)."""
 
-from . import fused, prefill, stages  # noqa: F401
+from . import collectives, fused, prefill, stages  # noqa: F401

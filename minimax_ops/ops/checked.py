@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..log import logger
+from .collectives import any_rank
 
 
 class CheckedModeError(AssertionError):
@@ -40,23 +41,26 @@ def _diffs(got: torch.Tensor, want: torch.Tensor) -> tuple[list[float], list[flo
 
 def run_checked(layer: int, kind: str, caches: list[torch.Tensor | None],
                 fused: Callable[[list], tuple[torch.Tensor, torch.Tensor]],
-                unfused: Callable[[list], tuple[torch.Tensor, torch.Tensor]]):
-    """fused(caches) and unfused(cache clones); compare, log, raise past the tolerance."""
+                unfused: Callable[[list], tuple[torch.Tensor, torch.Tensor]], group_name: str = ""):
+    """fused(caches) and unfused(cache clones); compare, log, raise past the tolerance. Under tensor
+    parallelism the verdict is agreed across the group first, so that every rank raises or none."""
     shadows = [None if c is None else c.clone() for c in caches]
     out, residual = fused(caches)
     want_out, want_residual = unfused(shadows)
+    failure = None
     for name, real, shadow in zip(("kv_cache", "index_cache"), caches, shadows):
         if real is not None and not torch.equal(real.view(torch.uint8), shadow.view(torch.uint8)):
-            raise CheckedModeError(f"layer {layer} ({kind}): fused and unfused paths wrote different {name} bytes")
+            failure = failure or f"layer {layer} ({kind}): fused and unfused paths wrote different {name} bytes"
     tol = tolerance()
-    worst = 0.0
     for what, got, want in (("out", out, want_out), ("residual", residual, want_residual)):
         absd, reld = _diffs(got, want)
         for token, (a, r) in enumerate(zip(absd, reld)):
             logger.info("checked layer %d (%s) token %d %s: max abs diff %.3g, max rel diff %.3g",
                         layer, kind, token, what, a, r)
-            worst = max(worst, r)
-            if not r <= tol:  # NaN fails too
-                raise CheckedModeError(f"layer {layer} ({kind}) token {token} {what}: relative difference {r:.3g} "
-                                       f"exceeds MINIMAX_OPS_CHECK_TOL={tol:g}")
+            if not r <= tol and failure is None:  # NaN fails too
+                failure = (f"layer {layer} ({kind}) token {token} {what}: relative difference {r:.3g} "
+                           f"exceeds MINIMAX_OPS_CHECK_TOL={tol:g}")
+    if any_rank(failure is not None, group_name, out.device):
+        raise CheckedModeError(failure or f"layer {layer} ({kind}): another rank of tensor-parallel group "
+                                          f"{group_name!r} failed the check (see its error)")
     return out, residual

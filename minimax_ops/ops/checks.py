@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..constants import MAX_TOKENS
 from ..formats import WeightFormat, logical_in_features, logical_out_features, weight_layout
@@ -109,10 +110,13 @@ def check_step(n, positions: torch.Tensor | None, slot_mapping: torch.Tensor | N
         check(seq_lens.dim() == 1, f"seq_lens: expected 1 dimension, got shape {tuple(seq_lens.shape)}")
     if query_len is not None:
         check(1 <= query_len <= MAX_TOKENS, f"query_len: expected 1..{MAX_TOKENS}, got {query_len}")
-        check(n % query_len == 0, f"tokens: expected a multiple of query_len={query_len}, got {n}")
+        # Relations of the token count to query_len and the requests: checked whenever the sizes are
+        # known (always on real tensors), not asserted on a symbolic trace-time count: a graph that
+        # serves every step (vLLM) holds these ops for prefills too, which take the general path.
+        check(not statically_known_true(n % query_len != 0), f"tokens: expected a multiple of query_len={query_len}, got {n}")
         if block_table is not None:
-            check(block_table.shape[0] * query_len >= n,
+            check(not statically_known_true(block_table.shape[0] * query_len < n),
                   f"block_table: expected at least {n // query_len} rows for {n} tokens, got {block_table.shape[0]}")
         if seq_lens is not None:
-            check(seq_lens.shape[0] * query_len >= n,
+            check(not statically_known_true(seq_lens.shape[0] * query_len < n),
                   f"seq_lens: expected at least {n // query_len} entries for {n} tokens, got {seq_lens.shape[0]}")

@@ -1,21 +1,44 @@
 """The fused decode: one op per decoder layer and step.
 
     torch.ops.minimax.fused_decode_layer(x, residual, <step metadata>, kv_cache!, index_cache!,
-                                         <layer weights>, <layer constants>) -> (out, residual)
+                                         <layer weights>, <layer constants>, layer_index, checked,
+                                         group_name) -> (out, residual)
 
-replaces the nine-op sparse MoE chain of ops/stages.py (add_rmsnorm ... moe_experts), and
-``fused_dense_decode_layer`` the dense chain. Weights, caches and metadata are tensor arguments,
-so nothing is baked: re-allocated caches or new weights are just new arguments, and under a CUDA
-graph the op reads each step's metadata from the same persistent buffers.
+replaces the sparse MoE chain of ops/chain.py (add_rmsnorm ... moe_experts, with its two
+all-reduces under tensor parallelism), and ``fused_dense_decode_layer`` the dense chain. Weights,
+caches and metadata are tensor arguments, so nothing is baked: re-allocated caches or new weights
+are just new arguments, and under a CUDA graph the op reads each step's metadata from the same
+persistent buffers. ``group_name`` names the tensor-parallel group ("" = none; collectives.py):
+the op performs both all-reduces inside its body, between its two halves and after the second.
 
-Where kernels run (CUDA, or CPU under the Triton interpreter) the implementation launches the
-stage kernels back to back on the current stream with no host sync; elsewhere it runs the
-reference stages, so eager, compiled and fused paths agree by construction on CPU.
+The implementation hooks, one per layer kind and half, are the module-level names below; a fused
+kernel replaces a default by rebinding its name, nothing else changes:
 
-Before anything is written: shapes and dtypes are checked always; metadata values (slots and
-block ids inside the caches, seq_lens inside the table, shared block ids) where reading them is
-free or asked for (validate.py); in checked mode also NaN/Inf in x, and the step runs the unfused
-chain beside the fused one (checked.py). ``layer_index`` only labels checked-mode reports.
+    SPARSE_ATTENTION_IMPL(x, residual, positions, slot_mapping, index_slot_mapping, block_table,
+                          seq_lens, kv_cache, index_cache, w, c) -> (o_unreduced, residual)
+    DENSE_ATTENTION_IMPL(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
+                         w, c) -> (o_unreduced, residual)
+    SPARSE_FFN_IMPL(o_reduced, residual, w, c) -> (out_unreduced, residual)
+    DENSE_FFN_IMPL(o_reduced, residual, w, c) -> (out_unreduced, residual)
+
+``w``: the layer's weights by SPARSE_WEIGHTS / DENSE_WEIGHTS name; ``c``: chain.SparseConsts /
+DenseConsts. The attention half writes the caches (k/v at slot_mapping, index_k at
+index_slot_mapping; slot < 0 writes nothing). Outputs are [n, hidden]: residual and o_reduced bf16;
+o_unreduced and out_unreduced bf16, or fp32 partial sums when ``c.partial`` (tensor parallelism:
+fp32 keeps TP results equal to TP 1, as chain.py says). Defaults: the
+vocabulary stages of chain.py, launched back to back inside this one op (one dispatch, one node
+for CUDA graphs), which on CPU run the reference, so all paths agree by construction there.
+
+One body serves both ops. Before anything is written: shapes and dtypes are checked always;
+metadata values (slots and block ids inside the caches, seq_lens inside the table, shared block
+ids) where reading them is free or asked for (validate.py); in checked mode also NaN/Inf in x, and
+the step runs the unfused chain beside the fused one (checked.py). A step that is not the uniform
+decode the op was compiled for (vLLM cannot guard batch kinds: step_context.py) runs the unfused
+chain, whose step-dependent ops take the general path. Under tensor parallelism every decision is
+taken from rank-identical state (shapes, dtypes, host step metadata, the op's arguments), and the
+value checks that read per-rank device data are agreed across the group before anyone refuses, so
+all ranks take the same path and none is left waiting in an all-reduce. ``layer_index`` only
+labels checked-mode reports.
 """
 
 from __future__ import annotations
@@ -23,28 +46,46 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..constants import MAX_TOKENS
 from ..backend import use_kernels
-from ..formats import logical_out_features
+from ..constants import MAX_TOKENS
+from ..log import log_once
+from ..step_context import general_step
+from . import chain
 from . import checked as checked_mode
 from . import stages
+from .chain import DENSE_WEIGHTS, SPARSE_WEIGHTS, DenseConsts, SparseConsts
 from .checks import check, check_activation, check_cache, check_down_proj, check_linear, check_shape, check_step
-from ..step_context import general_step
-from .validate import should_validate, validate_step_values
+from .collectives import any_rank
+from .validate import StepValueError, should_validate, validate_step_values
 
 # How often each fused op's Python implementation ran: a captured CUDA graph replays without it.
 impl_calls = {"sparse": 0, "dense": 0}
+# How many of those ran the unfused stages instead (a step that is not the traced decode, or too large).
+fallback_calls = {"sparse": 0, "dense": 0}
 
-SPARSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "index_q_norm", "index_k_norm",
-                  "o_proj", "o_proj_scale", "post_norm", "gate", "gate_bias", "w13", "w13_scale", "w2",
-                  "w2_scale", "shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
-DENSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "o_proj", "o_proj_scale", "post_norm",
-                 "w13", "w13_scale", "w2", "w2_scale")
+# The implementation hooks (see the module docstring).
+def _on_kernels(half):
+    """A chain half run on the stage kernels launched as programmatic dependents of each other
+    (kernels/decode_layer.py) where kernels run; the vocabulary elsewhere."""
+    def run(*args):
+        if not use_kernels(args[0]):
+            return half(*args)
+        from ..kernels.decode_layer import KERNEL_STAGES
+        return half(*args, ops=KERNEL_STAGES)
+    return run
+
+
+SPARSE_ATTENTION_IMPL = _on_kernels(chain.sparse_attention)
+SPARSE_FFN_IMPL = _on_kernels(chain.sparse_ffn)
+DENSE_ATTENTION_IMPL = _on_kernels(chain.dense_attention)
+DENSE_FFN_IMPL = _on_kernels(chain.dense_ffn)
 
 
 def _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len):
     n = x.shape[0]
-    check(1 <= n <= MAX_TOKENS, f"x: expected 1..{MAX_TOKENS} tokens (a decode step), got {n}")
+    # No upper bound here: a graph that serves every step size (vLLM's trace-once mode) holds the fused
+    # op for large steps too, and the implementation runs the unfused stages above MAX_TOKENS.
+    check(n >= 1, f"x: expected at least 1 token, got {n}")
     check_activation("x", x)
     check_activation("residual", residual, x.shape[1])
     check_step(n, positions, slot_mapping, block_table, seq_lens, query_len)
@@ -61,7 +102,7 @@ def _check_late_weights(x, w, num_heads, head_dim, top_k=None, num_routed_expert
     nothing. top_k None: the dense MLP, else the router and experts."""
     n, hidden = x.shape
     check_linear("o_proj", _meta(n, num_heads * head_dim), w["o_proj"], w["o_proj_scale"])
-    check(logical_out_features(w["o_proj"], 2) == hidden,
+    check(w["o_proj"].shape[0] == hidden,
           f"o_proj: expected {hidden} output rows, got shape {tuple(w['o_proj'].shape)}")
     check_shape("post_norm", w["post_norm"], (hidden,))
     if top_k is None:
@@ -74,64 +115,102 @@ def _check_late_weights(x, w, num_heads, head_dim, top_k=None, num_routed_expert
                       w["shared_w2_scale"], num_routed_experts)
 
 
-def _sparse_stages(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
-                   index_cache, w, query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps,
-                   index_heads, index_dim, topk_blocks, top_k, routed_scaling, num_routed_experts, alpha, limit,
-                   k_scale, v_scale, ops=stages):
-    """The sparse MoE layer as its nine stages (w: weights by SPARSE_WEIGHTS name); ``ops``: the
-    vocabulary ops, or kernels/decode_layer.KERNEL_STAGES (same signatures)."""
-    h, residual = ops.add_rmsnorm(x, residual, w["input_norm"], eps)
-    qkv_out = ops.mx_linear(h, w["qkv"], w["qkv_scale"])
-    q, index_q = ops.qk_norm_rope_kv_index_insert(
-        qkv_out, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
-        w["index_k_norm"], kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps,
-        index_heads, index_dim)
-    block_ids = ops.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk_blocks)
-    attn = ops.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
-    o = ops.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
-    h, residual = ops.add_rmsnorm(o, residual, w["post_norm"], eps)
-    weights, ids = ops.route(h, w["gate"], w["gate_bias"], top_k, routed_scaling)
-    out = ops.moe_experts(h, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"],
-                             w["shared_w13_scale"], w["shared_w2"], w["shared_w2_scale"], num_routed_experts, alpha,
-                             limit)
-    return out, residual
+_KINDS = {  # kind -> (weight names, consts type, checked-mode label, default halves, hook names)
+    "sparse": (SPARSE_WEIGHTS, SparseConsts, "sparse_moe", ("sparse_attention", "sparse_ffn"),
+               ("SPARSE_ATTENTION_IMPL", "SPARSE_FFN_IMPL")),
+    "dense": (DENSE_WEIGHTS, DenseConsts, "dense", ("dense_attention", "dense_ffn"),
+              ("DENSE_ATTENTION_IMPL", "DENSE_FFN_IMPL")),
+}
 
 
-def _dense_stages(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, w, query_len, num_heads,
-                  num_kv_heads, head_dim, rotary_dim, rope_theta, eps, alpha, limit, k_scale, v_scale, ops=stages):
-    """The dense layer as its seven stages (``ops`` as for _sparse_stages)."""
-    h, residual = ops.add_rmsnorm(x, residual, w["input_norm"], eps)
-    qkv_out = ops.mx_linear(h, w["qkv"], w["qkv_scale"])
-    q = ops.qk_norm_rope_kv_insert(qkv_out, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache,
-                                   num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps)
-    attn = ops.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)
-    o = ops.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
-    h, residual = ops.add_rmsnorm(o, residual, w["post_norm"], eps)
-    return ops.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], alpha, limit), residual
+def _split(kind: str, args: tuple):
+    """A fused op's arguments -> (step tensors, caches, weights dict, consts, layer_index, checked, group)."""
+    names, consts_type = _KINDS[kind][:2]
+    n_step, n_caches = (7, 2) if kind == "sparse" else (6, 1)
+    step, rest = args[:n_step], args[n_step:]
+    caches, rest = list(rest[:n_caches]), rest[n_caches:]
+    w, rest = dict(zip(names, rest[:len(names)])), rest[len(names):]
+    n_consts = len(consts_type._fields) - len(consts_type._field_defaults)  # the op's constants; not `partial`
+    given, defaults = rest[n_consts:], (-1, False, "")  # a fake may get trailing defaults left out
+    layer_index, checked, group_name = (*given, *defaults[len(given):])
+    consts = consts_type(*rest[:n_consts], partial=bool(group_name))
+    return step, caches, w, consts, layer_index, checked, group_name
 
 
-# The fused implementations: the same chains on the stage kernels launched as programmatic
-# dependents of each other (kernels/decode_layer.py), where kernels run.
+def _check_call(kind, step, caches, w, c, fallback: bool) -> None:
+    """Shape and dtype checks (fake and real): what every rank sees alike."""
+    x, residual, positions, slot_mapping = step[:4]
+    block_table, seq_lens = step[-2:]
+    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, caches[0],
+                None if fallback else c.query_len)
+    if kind == "sparse":
+        check_cache("index_cache", caches[1], (caches[0].shape[0], caches[0].shape[2], None))
 
 
-def fused_sparse_impl(*args):
-    if not use_kernels(args[0]):
-        return _sparse_stages(*args)
-    from ..kernels.decode_layer import KERNEL_STAGES
-    return _sparse_stages(*args, ops=KERNEL_STAGES)
+def _checked(checked: bool, group_name: str) -> bool:
+    if not checked_mode.enabled():
+        return checked
+    if group_name:  # an environment variable is per process: ranks could disagree and deadlock
+        log_once("MINIMAX_OPS_CHECK is ignored under tensor parallelism (each rank reads its own "
+                 "environment); use MiniMaxM3DecodePass(checked=True), which every rank's graph shares")
+        return checked
+    return True
 
 
-def fused_dense_impl(*args):
-    if not use_kernels(args[0]):
-        return _dense_stages(*args)
-    from ..kernels.decode_layer import KERNEL_STAGES
-    return _dense_stages(*args, ops=KERNEL_STAGES)
+def _validate(kind, step, caches, c, checked: bool, group_name: str) -> None:
+    """Value checks, agreed across the tensor-parallel group: if any rank refuses, all do."""
+    x, _, positions, slot_mapping = step[:4]
+    index_slots = step[4] if kind == "sparse" else None
+    error = None
+    try:
+        validate_step_values(x, positions, slot_mapping, index_slots, step[-2], step[-1], caches[0],
+                             caches[1] if kind == "sparse" else None, c.query_len, finite=checked)
+    except StepValueError as e:
+        error = e
+    if any_rank(error is not None, group_name, x.device):
+        if error is not None:
+            raise error
+        raise StepValueError(f"another rank of tensor-parallel group {group_name!r} refused this step's input "
+                             "(see its error); refused here too, so that no rank waits in an all-reduce")
 
 
-def _run(kind, layer_index, checked, caches, fused, unfused):
+def _layer(kind: str, args: tuple) -> tuple[Tensor, Tensor]:
+    """The body both fused ops share."""
+    impl_calls[kind] += 1
+    step, caches, w, c, layer_index, checked, group_name = _split(kind, args)
+    _, _, label, defaults, hooks = _KINDS[kind]
+    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds),
+    # or one larger than the fused kernels take (a graph serving every size), runs the unfused chain,
+    # whose step-dependent ops take the general path (step_context.py). Host facts: rank-identical.
+    fallback = general_step(c.query_len) is not None or step[0].shape[0] > MAX_TOKENS
+    fallback_calls[kind] += fallback
+    _check_call(kind, step, caches, w, c, fallback)
+    checked = _checked(checked, group_name)
+    if should_validate(step[0], checked) and not fallback:
+        _validate(kind, step, caches, c, checked, group_name)
+    _check_late_weights(step[0], w, c.num_heads, c.head_dim, *((c.top_k, c.num_routed_experts)
+                                                              if kind == "sparse" else ()))
+
+    def run(halves, cs):
+        return chain.run_layer(*halves, (*step, *cs), w, c, group_name)
+
+    def unfused(cs):  # looked up at call time, so tests can spy on the chain
+        return run([getattr(chain, name) for name in defaults], cs)
+
+    def fused(cs):
+        return run([globals()[name] for name in hooks], cs)
+
+    if fallback:
+        return unfused(caches)
     if checked:
-        return checked_mode.run_checked(layer_index, kind, caches, fused, unfused)
+        return checked_mode.run_checked(layer_index, label, caches, fused, unfused, group_name)
     return fused(caches)
+
+
+def _fake(kind: str, args: tuple) -> tuple[Tensor, Tensor]:
+    step, caches, w, c, *_ = _split(kind, args)
+    _check_call(kind, step, caches, w, c, False)
+    return torch.empty_like(step[0]), torch.empty_like(step[0])
 
 
 @torch.library.custom_op("minimax::fused_decode_layer", mutates_args=("kv_cache", "index_cache"))
@@ -146,39 +225,15 @@ def fused_decode_layer(
         query_len: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
         eps: float, index_heads: int, index_dim: int, topk_blocks: int, top_k: int, routed_scaling: float,
         num_routed_experts: int, alpha: float, limit: float, k_scale: float, v_scale: float,
-        layer_index: int = -1, checked: bool = False,
+        layer_index: int = -1, checked: bool = False, group_name: str = "",
 ) -> tuple[Tensor, Tensor]:
     """One sparse MoE decode layer: (x, residual) -> (out, residual); writes k/v and index_k."""
-    impl_calls["sparse"] += 1
-    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
-    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
-    fallback = general_step(query_len) is not None
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
-                None if fallback else query_len)
-    check_cache("index_cache", index_cache, (kv_cache.shape[0], kv_cache.shape[2], None))
-    checked = checked or checked_mode.enabled()
-    if should_validate(x, checked) and not fallback:
-        validate_step_values(x, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
-                             index_cache, query_len, finite=checked)
-    w = dict(zip(SPARSE_WEIGHTS, (input_norm, qkv, qkv_scale, q_norm, k_norm, index_q_norm, index_k_norm, o_proj,
-                                  o_proj_scale, post_norm, gate, gate_bias, w13, w13_scale, w2, w2_scale, shared_w13,
-                                  shared_w13_scale, shared_w2, shared_w2_scale)))
-    _check_late_weights(x, w, num_heads, head_dim, top_k, num_routed_experts)
-    consts = (query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim,
-              topk_blocks, top_k, routed_scaling, num_routed_experts, alpha, limit, k_scale, v_scale)
-    step = (x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens)
-    return _run("sparse_moe", layer_index, checked and not fallback, [kv_cache, index_cache],
-                lambda c: (_sparse_stages if fallback else fused_sparse_impl)(*step, c[0], c[1], w, *consts),
-                lambda c: _sparse_stages(*step, c[0], c[1], w, *consts))
+    return _layer("sparse", tuple(locals().values()))  # locals() here: the arguments, in schema order
 
 
 @fused_decode_layer.register_fake
-def _(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache, index_cache,
-      *rest):
-    query_len = rest[len(SPARSE_WEIGHTS)]
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
-    check_cache("index_cache", index_cache, (kv_cache.shape[0], kv_cache.shape[2], None))
-    return torch.empty_like(x), torch.empty_like(x)
+def _(*args):
+    return _fake("sparse", args)
 
 
 @torch.library.custom_op("minimax::fused_dense_decode_layer", mutates_args=("kv_cache",))
@@ -189,32 +244,12 @@ def fused_dense_decode_layer(
         w13_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None,
         query_len: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
         eps: float, alpha: float, limit: float, k_scale: float, v_scale: float,
-        layer_index: int = -1, checked: bool = False,
+        layer_index: int = -1, checked: bool = False, group_name: str = "",
 ) -> tuple[Tensor, Tensor]:
     """One dense decode layer (full GQA attention + SwiGLU-OAI MLP)."""
-    impl_calls["dense"] += 1
-    # A step that is not the uniform decode this op was compiled for (vLLM cannot guard batch kinds)
-    # runs the unfused stages, whose step-dependent ops take the general path (step_context.py).
-    fallback = general_step(query_len) is not None
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache,
-                None if fallback else query_len)
-    checked = checked or checked_mode.enabled()
-    if should_validate(x, checked) and not fallback:
-        validate_step_values(x, positions, slot_mapping, None, block_table, seq_lens, kv_cache, None, query_len,
-                             finite=checked)
-    w = dict(zip(DENSE_WEIGHTS, (input_norm, qkv, qkv_scale, q_norm, k_norm, o_proj, o_proj_scale, post_norm, w13,
-                                 w13_scale, w2, w2_scale)))
-    _check_late_weights(x, w, num_heads, head_dim)
-    consts = (query_len, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, alpha, limit, k_scale,
-              v_scale)
-    step = (x, residual, positions, slot_mapping, block_table, seq_lens)
-    return _run("dense", layer_index, checked and not fallback, [kv_cache],
-                lambda c: (_dense_stages if fallback else fused_dense_impl)(*step, c[0], w, *consts),
-                lambda c: _dense_stages(*step, c[0], w, *consts))
+    return _layer("dense", tuple(locals().values()))
 
 
 @fused_dense_decode_layer.register_fake
-def _(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, *rest):
-    query_len = rest[len(DENSE_WEIGHTS)]
-    _check_step(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, query_len)
-    return torch.empty_like(x), torch.empty_like(x)
+def _(*args):
+    return _fake("dense", args)

@@ -63,22 +63,28 @@ def _(x, residual, weight, eps):
 # ---- linear ----------------------------------------------------------------------------------------------
 
 
+def _out_dtype(out_fp32: bool) -> torch.dtype:
+    """out_fp32: a tensor-parallel partial sum, kept in fp32 so that the all-reduce rounds once."""
+    return torch.float32 if out_fp32 else BF16
+
+
 @torch.library.custom_op("minimax::mx_linear", mutates_args=())
-def mx_linear(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
-    """x @ dequant(weight)^T for bf16, MXFP8 or MXFP4 weights; bf16 out, fp32 accumulation."""
+def mx_linear(x: Tensor, weight: Tensor, scale: Tensor | None, out_fp32: bool = False) -> Tensor:
+    """x @ dequant(weight)^T for bf16, MXFP8 or MXFP4 weights; bf16 out (fp32 with out_fp32), fp32
+    accumulation."""
     check_activation("x", x)
     check_linear("weight", x, weight, scale)
     if use_kernels(x):
         from ..kernels.mx_linear import mx_linear as kernel
-        return kernel(x, weight, scale)
-    return ref.linear(x, weight, scale).to(BF16)
+        return kernel(x, weight, scale, out_dtype=_out_dtype(out_fp32))
+    return ref.linear(x, weight, scale).to(_out_dtype(out_fp32))
 
 
 @mx_linear.register_fake
-def _(x, weight, scale):
+def _(x, weight, scale, out_fp32=False):
     check_activation("x", x)
     check_linear("weight", x, weight, scale)
-    return x.new_empty(x.shape[0], logical_out_features(weight, 2))
+    return x.new_empty(x.shape[0], logical_out_features(weight, 2), dtype=_out_dtype(out_fp32))
 
 
 # ---- per-head norm + RoPE + cache insert ------------------------------------------------------------
@@ -296,8 +302,9 @@ def _check_moe(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w
 def moe_experts(h: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor,
                 w2_scale: Tensor | None, shared_w13: Tensor | None, shared_w13_scale: Tensor | None,
                 shared_w2: Tensor | None, shared_w2_scale: Tensor | None, num_routed_experts: int, alpha: float,
-                limit: float) -> Tensor:
-    """sum_k w_k * SwiGLU-OAI expert_k(h) + shared(h), bf16 [n, H]."""
+                limit: float, out_fp32: bool = False) -> Tensor:
+    """sum_k w_k * SwiGLU-OAI expert_k(h) + shared(h), bf16 [n, H] (fp32 with out_fp32; the kernel
+    path writes bf16 today, widened)."""
     args = (h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
             shared_w2_scale)
     _check_moe(*args, num_routed_experts)
@@ -305,34 +312,35 @@ def moe_experts(h: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
     if use_kernels(h):
         from ..kernels.moe import moe_experts as kernel
     out = kernel(*args, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit)
-    return out.to(BF16)
+    return out.to(_out_dtype(out_fp32))
 
 
 @moe_experts.register_fake
 def _(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-      shared_w2_scale, num_routed_experts, alpha, limit):
+      shared_w2_scale, num_routed_experts, alpha, limit, out_fp32=False):
     _check_moe(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
                shared_w2_scale, num_routed_experts)
-    return torch.empty_like(h)
+    return torch.empty_like(h, dtype=_out_dtype(out_fp32))
 
 
 @torch.library.custom_op("minimax::mlp", mutates_args=())
 def mlp(h: Tensor, w13: Tensor, w13_scale: Tensor | None, w2: Tensor, w2_scale: Tensor | None, alpha: float,
-        limit: float) -> Tensor:
-    """Dense SwiGLU-OAI MLP (layers 0-2): w13 [2I, H] (gate rows, then up rows), w2 [H, I]."""
+        limit: float, out_fp32: bool = False) -> Tensor:
+    """Dense SwiGLU-OAI MLP (layers 0-2): w13 [2I, H] (gate rows, then up rows), w2 [H, I]; bf16 out
+    (fp32 with out_fp32)."""
     check_activation("h", h)
     check_linear("w13", h, w13, w13_scale)
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
     if use_kernels(h):
         from ..kernels.mx_linear import mx_linear as kernel
         gate, up = kernel(h, w13, w13_scale, out_dtype=torch.float32).chunk(2, dim=-1)
-        return kernel(ref.swiglu_oai(gate, up, alpha, limit).to(BF16), w2, w2_scale)
-    return ref.mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit).to(BF16)
+        return kernel(ref.swiglu_oai(gate, up, alpha, limit).to(BF16), w2, w2_scale, out_dtype=_out_dtype(out_fp32))
+    return ref.mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit).to(_out_dtype(out_fp32))
 
 
 @mlp.register_fake
-def _(h, w13, w13_scale, w2, w2_scale, alpha, limit):
+def _(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
     check_activation("h", h)
     check_linear("w13", h, w13, w13_scale)
     check_down_proj("w2", "w13", w13, w2, w2_scale, h.shape[1])
-    return h.new_empty(h.shape[0], logical_out_features(w2, 2))
+    return h.new_empty(h.shape[0], logical_out_features(w2, 2), dtype=_out_dtype(out_fp32))

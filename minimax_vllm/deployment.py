@@ -14,8 +14,10 @@ Where each fact lives in vLLM 0.33:
 - the model: ``model_config.hf_config`` when it is a MiniMax-M3 config (vLLM's ``minimax_m3_vl`` /
   ``minimax_m3_text`` types, or a MiniMaxM3 architecture), parsed by MiniMaxM3Config.from_hf_dict.
 
-Nothing here imports vLLM unless the process already did: the pass asks
-``deployment_from_current_vllm_config()`` on every compile, also under plain torch.compile.
+Importing this module registers ``deployment_from_current_vllm_config`` as the decode pass's deployment
+reader (graph_passes.fused_decode_pass.add_deployment_reader), so graph_passes never imports vLLM code.
+Nothing here imports vLLM unless the process already did: the pass asks on every compile, also under
+plain torch.compile.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 
 from minimax_ops.config import ConfigError, MiniMaxM3Config
 
-from .deployment import Deployment
+from graph_passes.deployment import Deployment
+from graph_passes.fused_decode_pass import add_deployment_reader
 
 MINIMAX_M3_MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_text", "minimax_m3")
 
@@ -85,6 +88,7 @@ def deployment_from_vllm_config(vllm_config: Any, model_config: MiniMaxM3Config 
         piecewise_cudagraphs=mode is not None and mode.requires_piecewise_compilation(),
         mixed_batch_cudagraphs=mode is not None and getattr(mode, "name", "") == "FULL",
         splitting_ops=tuple(compilation.splitting_ops or ()),
+        any_size_graphs=getattr(compilation.mode, "name", "") == "DYNAMO_TRACE_ONCE",
         model_config=model_config,
         model_config_error=error,
     )
@@ -102,3 +106,6 @@ def deployment_from_current_vllm_config() -> Deployment | None:
     if vllm_config is None:
         return None
     return deployment_from_vllm_config(vllm_config)
+
+
+add_deployment_reader(deployment_from_current_vllm_config)

@@ -1,0 +1,121 @@
+"""The decoder layer chain in the vocabulary, written once: the model traces it (model.py), the graph
+pass fuses what it traces (graph_passes/decode_layer_patterns.py), and the fused ops run it as their
+default implementation and fallback (fused.py).
+
+A layer is two halves split at the tensor-parallel all-reduces (m3-decode-spec.md, steps 1-7 and 8-11):
+
+    o, residual   = attention half(x, residual, <step>, <caches>, w, c)     # o unreduced
+    o             = all_reduce(o)                                            # tensor parallel only
+    out, residual = FFN half(o, residual, w, c)                              # out unreduced
+    out           = all_reduce(out)
+
+``w`` maps the names in SPARSE_WEIGHTS / DENSE_WEIGHTS to tensors (the layer's shard under tensor
+parallelism); ``c`` is a SparseConsts / DenseConsts, whose fields are the fused ops' constant
+arguments in their order, then ``partial``: under tensor parallelism the halves return fp32 partial
+sums (o_proj / FFN ``out_fp32``), and the all-reduce sums them in fp32 and rounds once, so a TP
+result equals the TP 1 result up to fp32 reassociation (bf16 partials would round twice, and a
+flipped top-k choice downstream turns that into a different token). A layer's output is reduced,
+so the next layer (or the final norm, or a pipeline stage boundary) receives whole hidden states.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+
+MM = torch.ops.minimax
+mm = MM
+
+SPARSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "index_q_norm", "index_k_norm",
+                  "o_proj", "o_proj_scale", "post_norm", "gate", "gate_bias", "w13", "w13_scale", "w2",
+                  "w2_scale", "shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
+DENSE_WEIGHTS = ("input_norm", "qkv", "qkv_scale", "q_norm", "k_norm", "o_proj", "o_proj_scale", "post_norm",
+                 "w13", "w13_scale", "w2", "w2_scale")
+
+
+_HEADS = ("query_len", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "eps")
+_SPARSE = ("index_heads", "index_dim", "topk_blocks", "top_k", "routed_scaling", "num_routed_experts")
+# `partial` is not an op argument: fp32 partial sums under tensor parallelism (module docstring).
+_TAIL = ("alpha", "limit", "k_scale", "v_scale", "partial")
+SparseConsts = namedtuple("SparseConsts", (*_HEADS, *_SPARSE, *_TAIL), defaults=(False,))
+DenseConsts = namedtuple("DenseConsts", (*_HEADS, *_TAIL), defaults=(False,))
+
+
+def _fp32(c) -> tuple:
+    """The out_fp32 argument, given only when set: graphs without tensor parallelism keep their form."""
+    return (True,) if c.partial else ()
+
+
+def _heads(c):
+    return c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.eps
+
+
+def _qkv(x, residual, w, c, mm):
+    h, residual = mm.add_rmsnorm(x, residual, w["input_norm"], c.eps)
+    return mm.mx_linear(h, w["qkv"], w["qkv_scale"]), residual
+
+
+def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
+                     index_cache, w, c: SparseConsts, query_lens: list[int] | None = None, ops=None):
+    """Steps 1-7 of a sparse MoE layer -> (o unreduced, residual). ``query_lens`` (the model's
+    any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
+    ``ops``: the vocabulary (default) or kernels/decode_layer.KERNEL_STAGES, same signatures."""
+    mm = ops or MM
+    qkv, residual = _qkv(x, residual, w, c, mm)
+    q, index_q = mm.qk_norm_rope_kv_index_insert(
+        qkv, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
+        w["index_k_norm"], kv_cache, index_cache, *_heads(c), c.index_heads, c.index_dim)
+    if query_lens is not None:
+        attn = mm.attention_any_step(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens,
+                                     c.topk_blocks, c.k_scale, c.v_scale)
+    else:
+        block_ids = mm.index_topk(index_q, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks)
+        attn = mm.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, c.query_len, c.k_scale,
+                                          c.v_scale)
+    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
+
+
+def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens, kv_cache, w, c: DenseConsts,
+                    query_lens: list[int] | None = None, ops=None):
+    """Steps 1-7 of a dense layer (full GQA attention) -> (o unreduced, residual)."""
+    mm = ops or MM
+    qkv, residual = _qkv(x, residual, w, c, mm)
+    q = mm.qk_norm_rope_kv_insert(qkv, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache, *_heads(c))
+    if query_lens is not None:
+        attn = mm.attention_any_step(q, None, kv_cache, None, block_table, seq_lens, query_lens, 1, c.k_scale,
+                                     c.v_scale)
+    else:
+        attn = mm.dense_attention_decode(q, kv_cache, block_table, seq_lens, c.query_len, c.k_scale, c.v_scale)
+    return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
+
+
+def sparse_ffn(o, residual, w, c: SparseConsts, ops=None):
+    """Steps 8-10 on the reduced attention output: post norm, router, routed + shared experts
+    -> (out unreduced, residual)."""
+    mm = ops or MM
+    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
+    weights, ids = mm.route(h, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling)
+    out = mm.moe_experts(h, ids, weights, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"],
+                         w["shared_w13_scale"], w["shared_w2"], w["shared_w2_scale"], c.num_routed_experts, c.alpha,
+                         c.limit, *_fp32(c))
+    return out, residual
+
+
+def dense_ffn(o, residual, w, c: DenseConsts, ops=None):
+    """Post norm and the dense SwiGLU-OAI MLP -> (out unreduced, residual)."""
+    mm = ops or MM
+    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
+    return mm.mlp(h, w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], c.alpha, c.limit, *_fp32(c)), residual
+
+
+def all_reduce(x, group_name: str):
+    """The tensor-parallel sum, bf16 ("" = no tensor parallelism: x itself, and no op in the graph)."""
+    return mm.all_reduce(x, group_name) if group_name else x
+
+
+def run_layer(attention, ffn, attention_args, w, c, group_name: str):
+    """One layer: attention(*attention_args, w, c), all-reduce, ffn, all-reduce -> (out, residual)."""
+    o, residual = attention(*attention_args, w, c)
+    out, residual = ffn(all_reduce(o, group_name), residual, w, c)
+    return all_reduce(out, group_name), residual

@@ -1,0 +1,54 @@
+"""Test helpers shared by the vLLM test files: vLLM required in CI, VLLM_COMPILE kept on the CPU
+platform, isolated compile caches."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+
+
+# Only the decode pass: vLLM's own fusions need its CUDA ops.
+NO_VLLM_FUSIONS = dict(fuse_norm_quant=False, fuse_act_quant=False, fuse_attn_quant=False, fuse_allreduce_rms=False,
+                       enable_qk_norm_rope_fusion=False, fuse_rope_kvcache_cat_mla=False, fuse_act_padding=False,
+                       fuse_mla_dual_rms_norm=False, fuse_rope_kvcache=False, fuse_qk_norm_rope_kvcache=False,
+                       eliminate_noops=True)
+
+
+def require_vllm():
+    """vLLM, or a skip outside CI; in CI (CI=true, where .ci/run installs it) a missing vLLM fails."""
+    if os.environ.get("CI", "").lower() == "true":
+        import vllm  # noqa: F401  (ImportError fails the test: CI must run these tests)
+        return vllm
+    return pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it: .ci/install-vllm)")
+
+
+@contextmanager
+def forced_vllm_compile(monkeypatch: pytest.MonkeyPatch):
+    """Keep compilation mode VLLM_COMPILE on vLLM's CPU platform, whose check_and_update_config turns
+    it into the trace-once mode (one dynamic graph, no pass manager); a no-op on other platforms."""
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if not current_platform.is_cpu():
+        yield
+        return
+    original = platform.check_and_update_config
+
+    def keep_vllm_compile(cls, vllm_config):
+        mode = vllm_config.compilation_config.mode
+        original(vllm_config)
+        if mode == CompilationMode.VLLM_COMPILE:
+            vllm_config.compilation_config.mode = mode
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_vllm_compile))
+    yield
+
+
+def isolate_compile_caches(monkeypatch: pytest.MonkeyPatch, root) -> None:
+    """Fresh compile caches: a cached artifact would skip the pass."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # also turns vLLM's AOT compile off
