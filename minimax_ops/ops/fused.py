@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ..backend import use_kernels
 from ..constants import MAX_TOKENS
+from ..formats import logical_out_features
 from ..log import log_once
 from ..step_context import general_step
 from . import chain
@@ -102,7 +103,7 @@ def _check_late_weights(x, w, num_heads, head_dim, top_k=None, num_routed_expert
     nothing. top_k None: the dense MLP, else the router and experts."""
     n, hidden = x.shape
     check_linear("o_proj", _meta(n, num_heads * head_dim), w["o_proj"], w["o_proj_scale"])
-    check(w["o_proj"].shape[0] == hidden,
+    check(logical_out_features(w["o_proj"], 2) == hidden,
           f"o_proj: expected {hidden} output rows, got shape {tuple(w['o_proj'].shape)}")
     check_shape("post_norm", w["post_norm"], (hidden,))
     if top_k is None:
