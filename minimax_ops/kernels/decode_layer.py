@@ -8,12 +8,13 @@ layers, whose first kernel is a dependent of the previous layer's last) stop dra
 That is only safe where the launch order is known, i.e. inside the fused op: the vocabulary ops
 launch plainly. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
-``KERNEL_STAGES`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
-chain (ops/fused.py) runs on either; inputs were checked by the fused op before the first launch.
+``kernel_stages(w)`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
+chain (ops/chain.py) runs on either; inputs were checked by the fused op before the first launch.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -21,10 +22,6 @@ import torch
 from ..reference import swiglu_oai
 
 from . import attention, index_topk, moe, mx_linear, norm, qk_norm_rope, router
-
-
-def _add_rmsnorm(x, residual, weight, eps):
-    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
 
 
 def _out_dtype(out_fp32: bool) -> torch.dtype:
@@ -52,18 +49,6 @@ def _qk_norm_rope_kv_insert(qkv, positions, slot_mapping, q_norm, k_norm, kv_cac
         pdl=True)[0]
 
 
-def _index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk):
-    return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk, pdl=True)
-
-
-def _sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale):
-    return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,
-                                             v_scale, pdl=True)
-
-
-def _dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
-    return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
-                                            pdl=True)
 
 
 def _route(h, gate, gate_bias, top_k, scaling):
@@ -85,8 +70,34 @@ def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
                                out_dtype=_out_dtype(out_fp32), pdl=True)
 
 
-KERNEL_STAGES = SimpleNamespace(
-    add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
-    qk_norm_rope_kv_insert=_qk_norm_rope_kv_insert, index_topk=_index_topk,
-    sparse_attention_decode=_sparse_attention_decode, dense_attention_decode=_dense_attention_decode,
-    route=_route, moe_experts=_moe_experts, mlp=_mlp)
+def kernel_stages(w: dict) -> SimpleNamespace:
+    """The stage kernels for one layer whose weights (by chain.SPARSE_WEIGHTS / DENSE_WEIGHTS name)
+    are ``w``. The short, latency-bound kernels also ask L2 for a later stage's weights while they
+    run: the input norm for qkv's, the indexer and attention for o_proj's (half each), the post
+    norm for the shared expert's gate/up (or the router's gate)."""
+    on = os.environ.get("MINIMAX_OPS_NO_PREFETCH") != "1"  # (measuring the prefetch's worth)
+    o_proj = w["o_proj"].reshape(w["o_proj"].shape[0], -1)
+    half = o_proj.shape[0] // 2
+    after_post_norm = w.get("shared_w13") if w.get("shared_w13") is not None else w.get("gate")
+
+    def add_rmsnorm(x, residual, weight, eps):
+        ahead = (w["qkv"] if weight is w["input_norm"] else after_post_norm) if on else None
+        return norm.add_rmsnorm(x, residual, weight, eps, pdl=True, prefetch=ahead)
+
+    def index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk):
+        return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk, pdl=True,
+                                     prefetch=o_proj[:half] if on else None)
+
+    def sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale):
+        return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,
+                                                 v_scale, pdl=True, prefetch=o_proj[half:] if on else None)
+
+    def dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
+        return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
+                                                pdl=True, prefetch=o_proj if on else None)
+
+    return SimpleNamespace(
+        add_rmsnorm=add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
+        qk_norm_rope_kv_insert=_qk_norm_rope_kv_insert, index_topk=index_topk_,
+        sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
+        route=_route, moe_experts=_moe_experts, mlp=_mlp)

@@ -55,13 +55,15 @@ def _halves(p, F32: tl.constexpr):
 
 @triton.jit
 def _decode_words(words, scales, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  F32: tl.constexpr):
+                  F32: tl.constexpr, SCALED: tl.constexpr):
     """int32 words [BLOCK_N, BLOCK_K / values-per-word] + uint8 E8M0 scales [BLOCK_N, BLOCK_K / 32]
     -> exactly dequantised bf16 weights [BLOCK_N, BLOCK_K] in natural K order (fp32 with F32:
     the interpreter computes bf16 arithmetic on raw bits and flushes bf16 subnormals).
 
     tl.join appends a new last (fastest) dimension, so in join(join(a, b), join(c, d)) the outer
-    join picks the lowest bit of the K offset; the comments give the offset of pair j's half h."""
+    join picks the lowest bit of the K offset; the comments give the offset of pair j's half h.
+    SCALED False: the element values times 2^-120 (e4m3) / 2^-126 (e2m1), scales not applied (the
+    FMA path applies them once per group)."""
     w = words.to(tl.uint32, bitcast=True)
     s = scales.to(tl.uint32)
     if FMT == 1:
@@ -87,11 +89,12 @@ def _decode_words(words, scales, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
             l3, h3 = _halves(((w << 1) & 0x80008000) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040), F32)
             v = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3)))
         exp_bits = tl.minimum(s + 126, 254)  # 2^(s - 127 + 126)
-    if F32:
-        scale = (exp_bits << 23).to(tl.float32, bitcast=True)
-    else:
-        scale = (exp_bits << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    v = tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
+    if SCALED:
+        if F32:
+            scale = (exp_bits << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = (exp_bits << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        v = tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * scale[:, :, None]
     return tl.reshape(v, [BLOCK_N, BLOCK_K])
 
 
@@ -182,7 +185,7 @@ def _load_weights(w_ptrs, s_ptrs, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
     elif PTX:
         w = _decode_mxfp4_ptx(tl.load(w_ptrs), tl.load(s_ptrs), FMT, BLOCK_N, BLOCK_K)
     else:
-        w = _decode_words(tl.load(w_ptrs), tl.load(s_ptrs), FMT, BLOCK_N, BLOCK_K, F32)
+        w = _decode_words(tl.load(w_ptrs), tl.load(s_ptrs), FMT, BLOCK_N, BLOCK_K, F32, True)
     return w
 
 
@@ -248,9 +251,15 @@ def stream_rows(x_rows, x_mask, w_rows, s_rows, k_begin, n_iters,
                     sc = (tl.minimum(tl.load(s_ptrs + c * S_STEP).to(tl.uint32), 254) << 23).to(tl.float32,
                                                                                               bitcast=True)
                     row += tl.sum(part * sc, axis=1)
-                else:
-                    w = _load_weights(w_ptrs + c * W_STEP, s_ptrs + c * S_STEP, FMT, BLOCK_N, BLOCK_K, True, False)
-                    row += tl.sum(w.to(tl.float32) * x, axis=1)
+                elif FMT == 0:
+                    w = tl.load(w_ptrs + c * W_STEP).to(tl.float32)
+                    row += tl.sum(w * x, axis=1)
+                else:  # MXFP4: values * 2^-126 in fp32, the scale 2^(s - 127 + 126) once per group
+                    scales = tl.load(s_ptrs + c * S_STEP)
+                    w = _decode_words(tl.load(w_ptrs + c * W_STEP), scales, FMT, BLOCK_N, BLOCK_K, True, False)
+                    part = tl.sum(tl.reshape(w * x, [BLOCK_N, GROUPS, 32]), axis=2)
+                    sc = (tl.minimum(scales.to(tl.uint32) + 126, 254) << 23).to(tl.float32, bitcast=True)
+                    row += tl.sum(part * sc, axis=1)
             x_ptrs += K_CHUNKS * BLOCK_K
             w_ptrs += K_CHUNKS * W_STEP
             s_ptrs += K_CHUNKS * S_STEP
@@ -313,6 +322,7 @@ def mxfp4_ptx(fmt: int, cfg_ptx: bool | None, device: torch.device) -> bool:
 # Bytes of its weight slice a program launched with PDL asks L2 for before it waits on its
 # predecessor (the first few K steps: enough to keep DRAM busy across the kernel boundary).
 PREFETCH_BYTES = 64 * 1024
+PREFETCH_PIECE = tl.constexpr(1 << 20)  # bytes per bulk prefetch request of prefetch_share
 
 
 @triton.jit
@@ -322,6 +332,17 @@ def prefetch_l2(ptr, nbytes):
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
                               [ptr.to(tl.int64, bitcast=True), (nbytes // 16 * 16).to(tl.int32)], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_share(pf_ptr, pf_bytes, pid, nprog):
+    """Program pid of nprog asks L2 for its share of the pf_bytes at pf_ptr (bytes; 16-aligned):
+    how a latency-bound kernel of the fused layer warms the next stage's weights."""
+    chunk = (pf_bytes // nprog + 16) // 16 * 16
+    start = pid.to(tl.int64) * chunk
+    end = tl.minimum(start + chunk, pf_bytes)
+    for off in range(start, end, PREFETCH_PIECE):  # bounded requests (a short grid has long shares)
+        prefetch_l2(pf_ptr + off, tl.minimum(end - off, PREFETCH_PIECE))
 
 
 @functools.lru_cache(maxsize=None)

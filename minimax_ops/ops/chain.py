@@ -60,7 +60,7 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
                      index_cache, w, c: SparseConsts, query_lens: list[int] | None = None, ops=None):
     """Steps 1-7 of a sparse MoE layer -> (o unreduced, residual). ``query_lens`` (the model's
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
-    ``ops``: the vocabulary (default) or kernels/decode_layer.KERNEL_STAGES, same signatures."""
+    ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(w), same signatures."""
     mm = ops or MM
     qkv, residual = _qkv(x, residual, w, c, mm)
     q, index_q = mm.qk_norm_rope_kv_index_insert(

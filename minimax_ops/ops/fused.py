@@ -71,8 +71,8 @@ def _on_kernels(half):
     def run(*args):
         if not use_kernels(args[0]):
             return half(*args)
-        from ..kernels.decode_layer import KERNEL_STAGES
-        return half(*args, ops=KERNEL_STAGES)
+        from ..kernels.decode_layer import kernel_stages
+        return half(*args, ops=kernel_stages(args[-2]))  # args[-2]: the layer's weights
     return run
 
 
