@@ -28,6 +28,10 @@ def _out_dtype(out_fp32: bool) -> torch.dtype:
     return torch.float32 if out_fp32 else torch.bfloat16
 
 
+def _add_rmsnorm(x, residual, weight, eps):
+    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
+
+
 def _mx_linear(x, weight, scale, out_fp32=False):
     return mx_linear.mx_linear(x, weight, scale, out_dtype=_out_dtype(out_fp32), pdl=True)
 
@@ -72,17 +76,12 @@ def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
 
 def kernel_stages(w: dict) -> SimpleNamespace:
     """The stage kernels for one layer whose weights (by chain.SPARSE_WEIGHTS / DENSE_WEIGHTS name)
-    are ``w``. The short, latency-bound kernels also ask L2 for a later stage's weights while they
-    run: the input norm for qkv's, the indexer and attention for o_proj's (half each), the post
-    norm for the shared expert's gate/up (or the router's gate)."""
+    are ``w``. The indexer and the attention, latency-bound, also ask L2 for o_proj's weights (half
+    each) while they run. (Prefetching the very next kernel's weights, e.g. qkv's from the input
+    norm, measured slower: the GEMV then streams the same bytes again beside the prefetch.)"""
     on = os.environ.get("MINIMAX_OPS_NO_PREFETCH") != "1"  # (measuring the prefetch's worth)
     o_proj = w["o_proj"].reshape(w["o_proj"].shape[0], -1)
     half = o_proj.shape[0] // 2
-    after_post_norm = w.get("shared_w13") if w.get("shared_w13") is not None else w.get("gate")
-
-    def add_rmsnorm(x, residual, weight, eps):
-        ahead = (w["qkv"] if weight is w["input_norm"] else after_post_norm) if on else None
-        return norm.add_rmsnorm(x, residual, weight, eps, pdl=True, prefetch=ahead)
 
     def index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk):
         return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk, pdl=True,
@@ -97,7 +96,7 @@ def kernel_stages(w: dict) -> SimpleNamespace:
                                                 pdl=True, prefetch=o_proj if on else None)
 
     return SimpleNamespace(
-        add_rmsnorm=add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
+        add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
         qk_norm_rope_kv_insert=_qk_norm_rope_kv_insert, index_topk=index_topk_,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, mlp=_mlp)

@@ -11,16 +11,14 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr, pf_ptr, pf_bytes,
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
-                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PREFETCH:  # the fused layer's next weights into L2 while this short kernel runs
-        prefetch_share(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0))
+                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -65,7 +63,7 @@ def _check_weight(weight: torch.Tensor, hidden: int) -> None:
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float, *, pdl: bool = False, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
     x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
@@ -82,11 +80,9 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return h, res_out
     block_h = triton.next_power_of_2(hidden)
     pdl = pdl and pdl_supported(x.device)
-    pf = prefetch.reshape(-1).view(torch.uint8) if prefetch is not None and pdl else h
-    _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out, pf, pf.numel() if pf is not h else 0,
+    _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out,
                           x.stride(0), residual.stride(0), h.stride(0), res_out.stride(0),
-                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, PREFETCH=pf is not h,
-                          num_warps=_num_warps(block_h),
+                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, num_warps=_num_warps(block_h),
                           launch_pdl=pdl)
     return h, res_out
 
@@ -101,9 +97,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return h
     block_h = triton.next_power_of_2(hidden)
     # The residual pointers are unused (HAS_RESIDUAL=False); pass x so the signature stays typed.
-    _rmsnorm_kernel[(n,)](x, x, weight, h, x, h, 0, x.stride(0), x.stride(0), h.stride(0), x.stride(0),
-                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=False, PDL=False, PREFETCH=False,
-                          num_warps=_num_warps(block_h))
+    _rmsnorm_kernel[(n,)](x, x, weight, h, x, x.stride(0), x.stride(0), h.stride(0), x.stride(0),
+                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=False, PDL=False, num_warps=_num_warps(block_h))
     return h
 
 
@@ -116,11 +111,8 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _rmsnorm_kernel,
                     {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
-                     "res_out_ptr": "*bf16", "pf_ptr": "*u8", "pf_bytes": "i64", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
+                     "res_out_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
                      "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
-                    {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "PREFETCH": False}, num_warps=_num_warps(block_h),
+                    {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res}, num_warps=_num_warps(block_h),
                     name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"))
-    specs = with_pdl_variants(specs)
-    return specs + [KernelSpec(s.kernel, s.signature, {**s.constexprs, "PREFETCH": True}, s.num_warps, s.num_stages,
-                               f"{s.label()}_prefetch", ("cuda",))
-                    for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"]]
+    return with_pdl_variants(specs)
