@@ -76,10 +76,11 @@ def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
 
 def kernel_stages(w: dict) -> SimpleNamespace:
     """The stage kernels for one layer whose weights (by chain.SPARSE_WEIGHTS / DENSE_WEIGHTS name)
-    are ``w``. The indexer and the attention, latency-bound, also ask L2 for o_proj's weights (half
-    each) while they run. (Prefetching the very next kernel's weights, e.g. qkv's from the input
-    norm, measured slower: the GEMV then streams the same bytes again beside the prefetch.)"""
-    on = os.environ.get("MINIMAX_OPS_NO_PREFETCH") != "1"  # (measuring the prefetch's worth)
+    are ``w``. With MINIMAX_OPS_PREFETCH=1 the indexer and the attention, latency-bound, also ask L2
+    for o_proj's weights (half each) while they run. Off by default: measured slower on the H200
+    (BENCHMARKS.md), as was prefetching the very next kernel's weights (qkv's from the input norm:
+    the GEMV then streams the same bytes again beside the prefetch)."""
+    on = os.environ.get("MINIMAX_OPS_PREFETCH") == "1"
     o_proj = w["o_proj"].reshape(w["o_proj"].shape[0], -1)
     half = o_proj.shape[0] // 2
 
