@@ -541,14 +541,14 @@ def _expert_specs(hidden: int, inter: int, n_routed: int, top_k: int, fmt: int, 
 
 def _all_expert_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[KernelSpec]:
     """Expert kernels in every format and shared-expert mode at the real size (every split the
-    heuristic picks for 1- and 16-token steps), table mode at the tiny size. Tiled: the real size,
-    shared expert in the table or merged, in the layouts weights.py produces."""
+    heuristic picks for 1- and 16-token steps), table mode at the tiny size. Tiled (an optional
+    layout): the real size with the shared expert merged, in the layouts weights.py produces."""
     specs, seen = [], set()
     formats = (FMT_MXFP4, FMT_MXFP4_WORDS) if ptx else (FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS)
     if tiled:
         formats = tuple(f for f in formats if f != FMT_MXFP4)
     for hidden, inter, n_routed, top_k in (AOT_SIZES[-1:] if ptx or tiled else AOT_SIZES):
-        modes = ("table",) if hidden == AOT_SIZES[0][0] else ("table", "merged") if tiled else tuple(_MODES)
+        modes = ("table",) if hidden == AOT_SIZES[0][0] else ("merged",) if tiled else tuple(_MODES)
         for fmt in formats:
             for mode in modes:
                 for n in AOT_TOKENS:
