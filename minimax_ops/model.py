@@ -175,6 +175,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
                       meta: StepMetadata) -> torch.Tensor:
         """The final norm's output, bf16 [n, hidden]."""
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
+        if decode and not self.decode_query_len:
+            # decode_eligible checked it; asserting it also makes it a fact the graph pass can prove
+            # on a symbolic token count.
+            torch._check(input_ids.shape[0] % meta.query_len == 0)
         x = self.model.embed_tokens(input_ids)
         residual = torch.zeros_like(x)
         fused = decode and self.use_fused_ops

@@ -43,8 +43,9 @@ def forced_vllm_compile(monkeypatch: pytest.MonkeyPatch):
         if mode == CompilationMode.VLLM_COMPILE:
             vllm_config.compilation_config.mode = mode
 
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_vllm_compile))
-    yield
+    with monkeypatch.context() as mp:  # undone on leaving, not when the (module-scoped) monkeypatch ends
+        mp.setattr(platform, "check_and_update_config", classmethod(keep_vllm_compile))
+        yield
 
 
 def isolate_compile_caches(monkeypatch: pytest.MonkeyPatch, root) -> None:
