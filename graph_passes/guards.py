@@ -36,7 +36,10 @@ def step_refusal(kw: dict[str, Any], deployment: Deployment, range_end: int | No
     bounded = (range_end is not None and range_end <= MAX_TOKENS) or deployment.any_size_graphs
     if not (bounded or statically_known_true(n <= MAX_TOKENS)) or not statically_known_true(n >= 1):
         return f"step of {n} tokens is not known to be within 1..{MAX_TOKENS}"
-    if not (deployment.any_size_graphs or statically_known_true(n % q == 0)):  # else the op checks per step
+    # Under vLLM (a compile range, or one graph for every size) the fused op reads the step at run time
+    # and takes the unfused stages for any step that is not a uniform decode of query_len.
+    decided_per_step = deployment.any_size_graphs or range_end is not None
+    if not (decided_per_step or statically_known_true(n % q == 0)):
         return f"step of {n} tokens is not known to be a multiple of query_len={q}"
     dtypes = {"positions": torch.int64, "slot_mapping": torch.int64, "index_slot_mapping": torch.int64,
               "block_table": torch.int32, "seq_lens": torch.int32}

@@ -204,6 +204,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         """The final norm's output, bf16 [n, hidden], on the last pipeline stage; an earlier stage
         returns {"hidden_states", "residual"} (its last layer's output, reduced) for the next."""
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
+        if decode and not self.decode_query_len:
+            # decode_eligible checked it; asserting it also makes it a fact the graph pass can prove
+            # on a symbolic token count.
+            torch._check(input_ids.shape[0] % meta.query_len == 0)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"caches: expected one per held layer ({len(self.model.layers)}), got {len(caches)}")
         if self.is_first_stage:

@@ -60,8 +60,11 @@ def decode_query_len_of(vllm_config: VllmConfig) -> int:
     return 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
 
 
+# Request counts are unbacked: vLLM drops guards, so a first step of one request must not specialise
+# the graph to one request (Dynamo specialises backed sizes of 1).
 @support_torch_compile(dynamic_arg_dims={name: 0 for name in TOKEN_DIM_ARGS + REQUEST_DIM_ARGS
-                                         + ("intermediate_tensors",)})
+                                         + ("intermediate_tensors",)},
+                       mark_unbacked_dims={name: 0 for name in REQUEST_DIM_ARGS})
 class MiniMaxM3VllmModel(nn.Module):
     """forward(input_ids, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_caches,
     index_caches, intermediate_tensors=None) -> final hidden states bf16 [n, hidden] (``self.model.logits``

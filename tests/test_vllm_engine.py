@@ -25,6 +25,8 @@ import torch
 
 from minimax_ops.loader import load_weights
 from minimax_ops.ops import fused as fused_ops
+from test_checkpoint_layouts import transformers_form
+from transformers_reference import transformers_greedy
 from vllm_checkpoint import TINY, reference_greedy, write_checkpoint
 from vllm_support import NO_VLLM_FUSIONS, forced_vllm_compile, isolate_compile_caches, require_vllm
 
@@ -165,6 +167,21 @@ def test_trace_once_route_serves_a_second_batch(trace_once, reference):
     tokens, fused = trace_once.generate(batch)
     assert fused["sparse"] > 0 and trace_once.graph_pass.calls == 1  # no recompilation
     assert tokens == [reference(p) for p in batch]
+
+
+def test_transformers_minimax_m3_agrees_on_a_one_block_prompt(trace_once, checkpoint):
+    """transformers' own MiniMax-M3 as a second, independent reference (weights mapped from the release's
+    names). Within one block no selection happens; see the report for prompts where selection matters."""
+    from safetensors.torch import load_file
+
+    from minimax_ops.loader import text_model_tensors
+
+    tensors = text_model_tensors(load_file(str(checkpoint[0] / "model.safetensors")))
+    prompt = prompts()[0]
+    assert len(prompt) + MAX_TOKENS_OUT <= TINY.sparse_block_size
+    tokens, _ = trace_once.generate([prompt])
+    text = transformers_form(TINY)["text_config"]
+    assert tokens[0] == transformers_greedy(tensors, TINY, text, prompt, MAX_TOKENS_OUT)
 
 
 # ---- VLLM_COMPILE kept: vLLM's pass manager and compile ranges ----------------------------------------------

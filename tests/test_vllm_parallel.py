@@ -5,8 +5,8 @@ must have fused its layers and the fused ops must have run on their fused path.
 
 The checkpoint is the VL-layout tiny model of vllm_checkpoint.py with intermediate sizes that split
 into whole MX blocks at TP 2. vLLM starts one worker process per rank (its multiprocessing executor);
-they find the plugin through a ``vllm.general_plugins`` entry point written for the test onto their
-sys.path (so the test does not depend on the package being pip-installed), and their OpenMP
+they find the plugin through its ``vllm.general_plugins`` entry point (the installed package's, else
+pyproject.toml's written as metadata onto their sys.path: vllm_support.entry_point_folder), and their OpenMP
 threads are left unbound (one NUMA node here). The workers are asked for their counters through
 ``LLM.collective_rpc``.
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm_checkpoint import TINY, reference_greedy, write_checkpoint
-from vllm_support import isolate_compile_caches, require_vllm
+from vllm_support import entry_point_folder, isolate_compile_caches, require_vllm
 
 CFG = TINY.replace(intermediate_size=64, shared_intermediate_size=64)  # 32 per rank at TP 2
 PROMPT_LENS = (57, 130, 250)  # 1, 2 and 2 blocks of 128 tokens; the last crosses into a third while decoding
@@ -33,16 +33,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def env(tmp_path_factory):
     require_vllm()
     root = tmp_path_factory.mktemp("vllm_parallel")
-    plugin = root / "plugin" / "minimax_ops_test_plugin-0.0.dist-info"
-    plugin.mkdir(parents=True)
-    (plugin / "METADATA").write_text("Metadata-Version: 2.1\nName: minimax-ops-test-plugin\nVersion: 0.0\n")
-    (plugin / "entry_points.txt").write_text("[vllm.general_plugins]\nminimax_ops = minimax_vllm.plugin:register\n")
+    plugin = entry_point_folder(root)
     with pytest.MonkeyPatch.context() as mp:
         isolate_compile_caches(mp, root)
-        path = os.pathsep.join([REPO, os.path.join(REPO, "tests"), str(root / "plugin"),
-                                os.environ.get("PYTHONPATH", "")])
-        mp.setenv("PYTHONPATH", path)
-        mp.syspath_prepend(str(root / "plugin"))  # spawned processes start from the parent's sys.path
+        paths = [REPO, os.path.join(REPO, "tests")] + ([str(plugin)] if plugin else [])
+        mp.setenv("PYTHONPATH", os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]))
+        if plugin:
+            mp.syspath_prepend(str(plugin))  # spawned processes start from the parent's sys.path
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here; workers are processes
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
