@@ -214,8 +214,9 @@ class MiniMaxM3ForCausalLM(nn.Module):
             x = self.model.embed_tokens(input_ids)
             residual = torch.zeros_like(x)
         elif intermediate is None or set(intermediate) != {"hidden_states", "residual"}:
-            raise ValueError("intermediate: a stage after the first needs the previous stage's "
-                             f"{{'hidden_states', 'residual'}}, got {None if intermediate is None else set(intermediate)}")
+            got = None if intermediate is None else set(intermediate)
+            raise ValueError(f"intermediate: a stage after the first needs the previous stage's "
+                             f"{{'hidden_states', 'residual'}}, got {got}")
         else:
             x, residual = intermediate["hidden_states"], intermediate["residual"]
         fused = decode and self.use_fused_ops
