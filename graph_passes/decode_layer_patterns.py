@@ -82,6 +82,9 @@ class _DecodeLayerPattern:
     def _finish(self, kind, chain, last, kwargs, mutated, replaced, insert):
         eps_insert = arg(insert, "eps")
         _need(eps_insert == kwargs["eps"], "qk norm eps differs from the layer norm eps")
+        # The fused op takes one (k_scale, v_scale) for writing and reading the cache.
+        _need((arg(insert, "k_scale"), arg(insert, "v_scale")) == (kwargs["k_scale"], kwargs["v_scale"]),
+              "the cache insert's k/v scales differ from the attention's")
         nodes = [n for n in chain if n is not None]
         return LayerMatch(kind, nodes, last, kwargs, mutated, replaced)
 

@@ -112,9 +112,11 @@ class MiniMaxM3DecoderLayer(nn.Module):
         if self.sparse:
             q, index_q = minimax.qk_norm_rope_kv_index_insert(
                 qkv, positions, slots, index_slots, self.q_norm, self.k_norm, self.index_q_norm,
-                self.index_k_norm, cache.kv, cache.index, *dims, c.sparse_num_index_heads, c.sparse_index_dim)
+                self.index_k_norm, cache.kv, cache.index, *dims, c.sparse_num_index_heads, c.sparse_index_dim,
+                self.k_scale, self.v_scale)
         else:
-            q = minimax.qk_norm_rope_kv_insert(qkv, positions, slots, self.q_norm, self.k_norm, cache.kv, *dims)
+            q = minimax.qk_norm_rope_kv_insert(qkv, positions, slots, self.q_norm, self.k_norm, cache.kv, *dims,
+                                               self.k_scale, self.v_scale)
             index_q = None
         if not query_len:
             table, seq_lens = meta.block_table.to(torch.int32).contiguous(), meta.seq_lens.to(torch.int32)

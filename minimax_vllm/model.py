@@ -24,7 +24,7 @@ from vllm.forward_context import get_forward_context
 
 from graph_passes.fused_decode_pass import MiniMaxM3DecodePass
 from minimax_ops.config import SPARSE_MOE
-from minimax_ops.loader import text_model_tensors, weights_from_tensors
+from minimax_ops.loader import kv_scales, text_model_tensors, weights_from_tensors
 from minimax_ops.log import log_once
 from minimax_ops.step_context import use_step
 
@@ -88,6 +88,8 @@ class MiniMaxM3ForVllm(nn.Module):
         model_weights = weights_from_tensors(tensors, self.config, device=device)
         with set_current_vllm_config(self.vllm_config):
             self.text = MiniMaxM3VllmModel(vllm_config=self.vllm_config, config=self.config, weights=model_weights)
+        for layer, (k_scale, v_scale) in zip(self.text.model.model.layers, kv_scales(tensors, self.config)):
+            layer.k_scale, layer.v_scale = k_scale, v_scale  # compile-time constants of each layer's ops
         return {name for name, _ in self.named_parameters()}
 
     # ---- steps --------------------------------------------------------------------------------------------

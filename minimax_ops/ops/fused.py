@@ -86,7 +86,7 @@ def _sparse_stages(x, residual, positions, slot_mapping, index_slot_mapping, blo
     q, index_q = stages.qk_norm_rope_kv_index_insert(
         qkv_out, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
         w["index_k_norm"], kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps,
-        index_heads, index_dim)
+        index_heads, index_dim, k_scale, v_scale)
     block_ids = stages.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk_blocks)
     attn = stages.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
     o = stages.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
@@ -104,7 +104,8 @@ def _dense_stages(x, residual, positions, slot_mapping, block_table, seq_lens, k
     h, residual = stages.add_rmsnorm(x, residual, w["input_norm"], eps)
     qkv_out = stages.mx_linear(h, w["qkv"], w["qkv_scale"])
     q = stages.qk_norm_rope_kv_insert(qkv_out, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache,
-                                      num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps)
+                                      num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, k_scale,
+                                      v_scale)
     attn = stages.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale)
     o = stages.mx_linear(attn, w["o_proj"], w["o_proj_scale"])
     h, residual = stages.add_rmsnorm(o, residual, w["post_norm"], eps)
