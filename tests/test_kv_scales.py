@@ -75,3 +75,32 @@ def test_fp8_cache_with_scales_matches_the_reference(layer_index, scales):
     v, v1 = cache.kv[..., d:].float() * scales[1], cache1.kv[..., d:].float()
     assert gt.relative_error(k, k1) < 0.1 and gt.relative_error(v, v1) < 0.1  # fp8 rounding of each
     assert gt.relative_error(out.float(), out1.float()) < 0.1  # and the output barely moves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scales", [(4.0, 0.5), (0.37, 1.9)], ids=["pow2", "any"])
+def test_insert_kernel_writes_scaled_values_like_the_reference(scales):
+    """The Triton insert kernel (interpreted on CPU) stores k / k_scale and v / v_scale as the reference
+    does: byte for byte where the division is exact (powers of two), within one fp8 step otherwise."""
+    from minimax_ops import reference as ref
+    from minimax_ops.kernels import qk_norm_rope
+
+    g = torch.Generator().manual_seed(4)
+    (_, decode), _ = _steps()
+    c, n = CFG, decode.num_tokens
+    qkv = (torch.randn(n, c.qkv_size(SPARSE), generator=g) * 2).to(torch.bfloat16)
+    norms = [(torch.randn(c.head_dim, generator=g) * 0.3).to(torch.bfloat16) for _ in range(4)]
+    kw = dict(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps,
+              index_heads=c.sparse_num_index_heads, index_dim=c.sparse_index_dim, k_scale=scales[0], v_scale=scales[1])
+    caches = [_cache(SPARSE, torch.float8_e4m3fn) for _ in range(2)]
+    for fn, cache in zip((qk_norm_rope.qk_norm_rope_insert, ref.qk_norm_rope_insert), caches):
+        fn(qkv, decode.positions, decode.slot_mapping, decode.index_slot_mapping, *norms, cache.kv, cache.index, **kw)
+    kernel, reference = caches[0].kv, caches[1].kv
+    if scales == (4.0, 0.5):
+        assert torch.equal(kernel.view(torch.uint8), reference.view(torch.uint8))
+    else:
+        diff = (kernel.float() - reference.float()).abs()
+        assert float(diff.max()) <= float(reference.float().abs().max()) / 8  # at most one e4m3 step
+        assert float((diff > 0).float().mean()) < 0.02
+    assert reference.float().abs().sum() > 0  # something was written
