@@ -77,3 +77,34 @@ def test_a_pass_that_cannot_run_is_logged(checkpoint, minimax_log, compilation, 
 def test_a_block_size_other_than_the_sparse_block_is_refused_at_construction(checkpoint):
     with pytest.raises(ValueError, match="cache_config.block_size: MiniMax-M3's sparse attention needs blocks of 128"):
         build(checkpoint, block_size=64, mode=3)
+
+
+def _metadata(query_lens, seq_lens, table, slots):
+    from types import SimpleNamespace
+
+    from minimax_vllm.attention import MiniMaxM3AttentionMetadata
+
+    common = SimpleNamespace(slot_mapping=slots, block_table_tensor=table, seq_lens=seq_lens, num_reqs=len(query_lens))
+    return MiniMaxM3AttentionMetadata(common, tuple(query_lens))
+
+
+def test_step_metadata_from_vllm_and_the_refusal_when_the_caches_do_not_share_blocks(minimax_log):
+    require_vllm()
+    from minimax_vllm.attention import step_from_vllm
+
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([130, 7], dtype=torch.int32)
+    slots = torch.tensor([3 * 128 + 1, 7], dtype=torch.int64)
+    positions = torch.tensor([129, 6])
+    main = _metadata([1, 1], seq_lens, table, slots)
+    step = step_from_vllm(main, _metadata([1, 1], seq_lens, table, slots), positions)
+    assert step.query_len == 1 and step.num_prefills == 0 and torch.equal(step.block_table, table)
+    assert step.block_table.data_ptr() == table.data_ptr()  # a view of vLLM's table, not a copy
+    assert torch.equal(step.index_slot_mapping, slots)
+    # Tokens the requests do not cover (padding): never a uniform decode, padding rows write nothing.
+    padded = step_from_vllm(main, None, torch.tensor([129, 6, 0]))
+    assert padded.num_prefills == 1 and padded.slot_mapping.tolist()[-1] == -1
+    other = _metadata([1, 1], seq_lens, table.clone(), slots)  # the index cache in its own cache group
+    with pytest.raises(RuntimeError, match="index cache its own cache group"):
+        step_from_vllm(main, other, positions)
+    assert any("index cache its own cache group" in r for r in minimax_reasons(minimax_log))
