@@ -27,6 +27,7 @@ from .constants import MAX_TOKENS
 from .ops import chain
 from .ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS, DenseConsts, SparseConsts
 from .sharding import local_config
+from .step_contract import STEP_DTYPES, fusable_token_count
 from .weights import LayerWeights, ModelWeights
 
 minimax = torch.ops.minimax
@@ -43,11 +44,13 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
 
 
 def decode_eligible(num_tokens: int, positions: torch.Tensor, meta: StepMetadata) -> bool:
-    """Host-side facts that make a step a fusable decode (each one a guard under torch.compile)."""
-    return (meta.num_prefills == 0 and 1 <= num_tokens <= MAX_TOKENS and meta.query_len >= 1
-            and num_tokens % meta.query_len == 0 and positions.dtype == torch.int64
-            and meta.slot_mapping.dtype == torch.int64 and meta.index_slot_mapping.dtype == torch.int64
-            and meta.block_table.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    """Host-side facts that make a step a fusable decode (each one a guard under torch.compile); the
+    contract itself is step_contract's."""
+    tensors = {"positions": positions, "slot_mapping": meta.slot_mapping,
+               "index_slot_mapping": meta.index_slot_mapping, "block_table": meta.block_table,
+               "seq_lens": meta.seq_lens}
+    return (meta.num_prefills == 0 and meta.query_len >= 1 and fusable_token_count(num_tokens, meta.query_len)
+            and all(t.dtype == STEP_DTYPES[name] for name, t in tensors.items())
             and meta.block_table.is_contiguous() and meta.index_shares_block_ids)
 
 

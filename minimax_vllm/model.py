@@ -31,7 +31,7 @@ from vllm.sequence import IntermediateTensors
 
 from graph_passes.fused_decode_pass import MiniMaxM3DecodePass
 from minimax_ops.config import SPARSE_MOE
-from minimax_ops.loader import text_model_tensors, weights_from_tensors
+from minimax_ops.loader import kv_scales, text_model_tensors, weights_from_tensors
 from minimax_ops.log import log_once
 from minimax_ops.sharding import local_config
 from minimax_ops.step_context import use_step
@@ -84,9 +84,12 @@ class MiniMaxM3ForVllm(nn.Module):
         layers = config.num_hidden_layers
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         kv_heads = local_config(config, self.tp_size).num_key_value_heads  # this rank's (a ShardingError names why not)
-        pp = get_pp_group()
-        self.layer_range = range(*get_pp_indices(layers, pp.rank_in_group, pp.world_size))
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        # vLLM's groups exist only where it runs distributed; one stage holds every layer.
+        pp_rank, pp_size = 0, vllm_config.parallel_config.pipeline_parallel_size
+        if pp_size > 1:
+            pp_rank = get_pp_group().rank_in_group
+        self.layer_range = range(*get_pp_indices(layers, pp_rank, pp_size))
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         base = f"{prefix}." if prefix else ""
         # Distinct integers in the names: vLLM orders caches by the one integer in each name.
         self.kv_layers = nn.ModuleList(
@@ -102,11 +105,15 @@ class MiniMaxM3ForVllm(nn.Module):
         tensors = text_model_tensors(dict(weights))
         device = self.vllm_config.device_config.device
         model_weights = weights_from_tensors(tensors, self.config, device=device,
-                                             tp_rank=get_tensor_model_parallel_rank(), tp_size=self.tp_size,
+                                             tp_rank=get_tensor_model_parallel_rank() if self.tp_size > 1 else 0,
+                                             tp_size=self.tp_size,
                                              layers=self.layer_range)
         with set_current_vllm_config(self.vllm_config):
             self.text = MiniMaxM3VllmModel(vllm_config=self.vllm_config, config=self.config, weights=model_weights,
                                            layers=self.layer_range)
+        scales = kv_scales(tensors, self.config)[self.layer_range.start:]  # per layer, replicated under TP
+        for layer, (k_scale, v_scale) in zip(self.text.model.model.layers, scales):
+            layer.k_scale, layer.v_scale = k_scale, v_scale  # compile-time constants of each layer's ops
         return {name for name, _ in self.named_parameters()}
 
     # ---- steps --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from minimax_ops.loader import load_weights
 from minimax_ops.ops import fused as fused_ops
 from test_checkpoint_layouts import transformers_form
 from transformers_reference import transformers_greedy
-from vllm_checkpoint import TINY, reference_greedy, write_checkpoint
+from vllm_checkpoint import TINY, decisive_prompts, reference_greedy, write_checkpoint
 from vllm_support import NO_VLLM_FUSIONS, forced_vllm_compile, isolate_compile_caches, require_vllm
 
 MAX_TOKENS_OUT = 16
@@ -169,19 +169,22 @@ def test_trace_once_route_serves_a_second_batch(trace_once, reference):
     assert tokens == [reference(p) for p in batch]
 
 
-def test_transformers_minimax_m3_agrees_on_a_one_block_prompt(trace_once, checkpoint):
-    """transformers' own MiniMax-M3 as a second, independent reference (weights mapped from the release's
-    names). Within one block no selection happens; see the report for prompts where selection matters."""
+def test_transformers_minimax_m3_is_a_second_reference(trace_once, checkpoint):
+    """transformers' own MiniMax-M3 (weights mapped from the release's names) gives the engine's tokens,
+    for prompts of one block and of more blocks than top-k (selection matters), whose greedy path is
+    decisive at bf16 precision (near-ties would make any two implementations disagree)."""
     from safetensors.torch import load_file
 
     from minimax_ops.loader import text_model_tensors
 
-    tensors = text_model_tensors(load_file(str(checkpoint[0] / "model.safetensors")))
-    prompt = prompts()[0]
-    assert len(prompt) + MAX_TOKENS_OUT <= TINY.sparse_block_size
-    tokens, _ = trace_once.generate([prompt])
+    path, weights = checkpoint
+    tensors = text_model_tensors(load_file(str(path / "model.safetensors")))
+    cases = decisive_prompts(weights, TINY, (250, 380, 57), MAX_TOKENS_OUT, seed=7)
+    tokens, _ = trace_once.generate([prompt for prompt, _ in cases])
     text = transformers_form(TINY)["text_config"]
-    assert tokens[0] == transformers_greedy(tensors, TINY, text, prompt, MAX_TOKENS_OUT)
+    for (prompt, reference_tokens), engine_tokens in zip(cases, tokens):
+        assert engine_tokens == reference_tokens
+        assert engine_tokens == transformers_greedy(tensors, TINY, text, prompt, MAX_TOKENS_OUT), len(prompt)
 
 
 # ---- VLLM_COMPILE kept: vLLM's pass manager and compile ranges ----------------------------------------------
