@@ -14,7 +14,6 @@ import copy
 import pytest
 import torch
 from conftest import minimax_reasons
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import graph_text as gt
 from graph_passes import MiniMaxM3DecodePass
@@ -31,23 +30,12 @@ FUSED = ("minimax.fused_dense_decode_layer", "minimax.fused_decode_layer")
 mm = torch.ops.minimax
 
 
-class _Keeper(CustomGraphPass):
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph):
-        self.graphs.append(copy.deepcopy(graph))
-
-    def uuid(self):
-        return "tp-graph-keeper"
-
-
 @pytest.fixture(scope="module")
 def tp_graph():
     weights = random_model_weights(CFG, generator=torch.Generator().manual_seed(8))
     shard = weights_from_tensors(checkpoint_tensors(weights, CFG), CFG, tp_rank=0, tp_size=2)
     model = MiniMaxM3ForCausalLM(CFG, shard, tp_size=2, tp_group=GROUP)
-    keeper = _Keeper()
+    keeper = gt.GraphKeeper()
     compiled = gt.compile_model(model, keeper)
     ids, meta, _ = gt.step_inputs(CFG, [37, 20], 1, seed=9)
     caches = gt.step_inputs(local_config(CFG, 2), [37, 20], 1, seed=9)[2]
