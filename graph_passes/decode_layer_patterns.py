@@ -110,6 +110,9 @@ class _DecodeLayerPattern:
         """ffn: the layer's FFN op; reduce: the o_proj all_reduce (None without tensor parallelism)."""
         eps_insert = arg(insert, "eps")
         _need(eps_insert == kwargs["eps"], "qk norm eps differs from the layer norm eps")
+        # The fused op takes one (k_scale, v_scale) for writing and reading the cache.
+        _need((arg(insert, "k_scale"), arg(insert, "v_scale")) == (kwargs["k_scale"], kwargs["v_scale"]),
+              "the cache insert's k/v scales differ from the attention's")
         out_reduce, out = _reduced(ffn, "FFN output")
         kwargs["group_name"] = _group_name(reduce, out_reduce)
         order = {n: i for i, n in enumerate(insert.graph.nodes)}

@@ -75,7 +75,7 @@ class MiniMaxM3DecodePass(_PassBase):
     def uuid(self) -> str:
         h = hashlib.sha256()
         for path in source_files():
-            h.update(path.as_posix().encode())
+            h.update(path.name.encode())  # not the checkout's location: the same sources, the same uuid
             h.update(path.read_bytes())
         h.update(self._deployment().key().encode())
         h.update(f"checked={self.checked}".encode())

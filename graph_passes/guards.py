@@ -14,6 +14,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minimax_ops.constants import MAX_TOKENS
+from minimax_ops.step_contract import STEP_DTYPES, query_len_ok
 
 from .deployment import Deployment
 
@@ -31,16 +32,17 @@ def step_refusal(kw: dict[str, Any], deployment: Deployment, range_end: int | No
     n, q = x.shape[0], kw["query_len"]
     if not isinstance(q, int):
         return f"query_len is not a compile-time constant ({q!r})"
-    if not (1 <= q <= MAX_TOKENS):
+    if not query_len_ok(q):
         return f"query_len={q} outside 1..{MAX_TOKENS}"
     bounded = (range_end is not None and range_end <= MAX_TOKENS) or deployment.any_size_graphs
     if not (bounded or statically_known_true(n <= MAX_TOKENS)) or not statically_known_true(n >= 1):
         return f"step of {n} tokens is not known to be within 1..{MAX_TOKENS}"
-    if not (deployment.any_size_graphs or statically_known_true(n % q == 0)):  # else the op checks per step
+    # Under vLLM (a compile range, or one graph for every size) the fused op reads the step at run time
+    # and takes the unfused stages for any step that is not a uniform decode of query_len.
+    decided_per_step = deployment.any_size_graphs or range_end is not None
+    if not (decided_per_step or statically_known_true(n % q == 0)):
         return f"step of {n} tokens is not known to be a multiple of query_len={q}"
-    dtypes = {"positions": torch.int64, "slot_mapping": torch.int64, "index_slot_mapping": torch.int64,
-              "block_table": torch.int32, "seq_lens": torch.int32}
-    for name, want in dtypes.items():
+    for name, want in STEP_DTYPES.items():
         if name not in kw:
             continue
         got = _val(kw[name])

@@ -112,6 +112,28 @@ def text_model_names(names: Iterable[str]) -> tuple[dict[str, str], dict[str, in
     return mapping, skipped
 
 
+KV_SCALES = ("k_scale", "v_scale")  # optional scalars model.layers.{i}.self_attn.{k,v}_scale: fp8 KV scales
+
+
+def kv_scales(tensors: Mapping[str, torch.Tensor], config: MiniMaxM3Config) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) of a checkpoint (1.0 where absent); each must be one positive number.
+    The cache then holds fp8(k / k_scale), and attention reads fp8 * k_scale (vLLM's convention)."""
+    out = []
+    for i in range(config.num_hidden_layers):
+        pair = []
+        for which in KV_SCALES:
+            name = f"{_layer_prefix(i)}self_attn.{which}"
+            t = tensors.get(name)
+            if t is None:
+                pair.append(1.0)
+                continue
+            if t.numel() != 1 or not t.is_floating_point() or not float(t) > 0:
+                raise CheckpointError(f"{name}: expected one positive float, got {t.dtype} shape {tuple(t.shape)}")
+            pair.append(float(t))
+        out.append(tuple(pair))
+    return out
+
+
 def text_model_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text model's tensors of a (possibly VL) checkpoint, by text-model name."""
     mapping, _ = text_model_names(tensors.keys())
@@ -177,6 +199,7 @@ def _check_names(names: Iterable[str], config: MiniMaxM3Config) -> None:
     plain, linears = _expected(config)
     required = set(plain) | {b + ".weight" for b in linears}
     optional = {f"{b}.{s}" for b in linears for s in (FP8_SCALE, FP4_SCALE)}
+    optional |= {f"{_layer_prefix(i)}self_attn.{s}" for i in range(config.num_hidden_layers) for s in KV_SCALES}
     if config.tie_word_embeddings:
         optional.add("lm_head.weight")
     names = set(names)
@@ -386,8 +409,23 @@ def load_model(path: str | os.PathLike, config: MiniMaxM3Config | None = None, *
     tp_rank, tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
     config, weights = load_weights(path, config, shared=shared, device=device, tp_rank=tp_rank, tp_size=tp_size,
                                    layers=layers)
-    return MiniMaxM3ForCausalLM(config, weights, tp_size=tp_size, tp_group=tp_group if tp_size > 1 else None,
-                                layers=layers)
+    model = MiniMaxM3ForCausalLM(config, weights, tp_size=tp_size, tp_group=tp_group if tp_size > 1 else None,
+                                 layers=layers)
+    scale_names = {f"{_layer_prefix(i)}self_attn.{s}" for i in range(config.num_hidden_layers) for s in KV_SCALES}
+    scales = kv_scales(_read_named(Path(path), scale_names), config)  # per layer, replicated on every rank
+    for layer, (k_scale, v_scale) in zip(model.model.layers, scales[model.layer_range.start:]):
+        layer.k_scale, layer.v_scale = k_scale, v_scale
+    return model
+
+
+def _read_named(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``names`` (text-model names) a checkpoint holds."""
+    out = {}
+    for f in _checkpoint_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            stored, _ = text_model_names(handle.keys())
+            out.update({text: handle.get_tensor(name) for text, name in stored.items() if text in names})
+    return out
 
 
 # ---- writing -------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from .constants import MAX_TOKENS
 from .ops import chain
 from .ops.chain import DENSE_WEIGHTS, SPARSE_WEIGHTS, DenseConsts, SparseConsts
 from .sharding import local_config
+from .step_contract import STEP_DTYPES, fusable_token_count
 from .weights import LayerWeights, ModelWeights
 
 minimax = torch.ops.minimax
@@ -43,11 +44,13 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
 
 
 def decode_eligible(num_tokens: int, positions: torch.Tensor, meta: StepMetadata) -> bool:
-    """Host-side facts that make a step a fusable decode (each one a guard under torch.compile)."""
-    return (meta.num_prefills == 0 and 1 <= num_tokens <= MAX_TOKENS and meta.query_len >= 1
-            and num_tokens % meta.query_len == 0 and positions.dtype == torch.int64
-            and meta.slot_mapping.dtype == torch.int64 and meta.index_slot_mapping.dtype == torch.int64
-            and meta.block_table.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    """Host-side facts that make a step a fusable decode (each one a guard under torch.compile); the
+    contract itself is step_contract's."""
+    tensors = {"positions": positions, "slot_mapping": meta.slot_mapping,
+               "index_slot_mapping": meta.index_slot_mapping, "block_table": meta.block_table,
+               "seq_lens": meta.seq_lens}
+    return (meta.num_prefills == 0 and meta.query_len >= 1 and fusable_token_count(num_tokens, meta.query_len)
+            and all(t.dtype == STEP_DTYPES[name] for name, t in tensors.items())
             and meta.block_table.is_contiguous() and meta.index_shares_block_ids)
 
 
@@ -204,14 +207,19 @@ class MiniMaxM3ForCausalLM(nn.Module):
         """The final norm's output, bf16 [n, hidden], on the last pipeline stage; an earlier stage
         returns {"hidden_states", "residual"} (its last layer's output, reduced) for the next."""
         decode = bool(self.decode_query_len) or decode_eligible(input_ids.shape[0], positions, meta)
+        if decode and not self.decode_query_len:
+            # decode_eligible checked it; asserting it also makes it a fact the graph pass can prove
+            # on a symbolic token count.
+            torch._check(input_ids.shape[0] % meta.query_len == 0)
         if len(caches) != len(self.model.layers):
             raise ValueError(f"caches: expected one per held layer ({len(self.model.layers)}), got {len(caches)}")
         if self.is_first_stage:
             x = self.model.embed_tokens(input_ids)
             residual = torch.zeros_like(x)
         elif intermediate is None or set(intermediate) != {"hidden_states", "residual"}:
-            raise ValueError("intermediate: a stage after the first needs the previous stage's "
-                             f"{{'hidden_states', 'residual'}}, got {None if intermediate is None else set(intermediate)}")
+            got = None if intermediate is None else set(intermediate)
+            raise ValueError(f"intermediate: a stage after the first needs the previous stage's "
+                             f"{{'hidden_states', 'residual'}}, got {got}")
         else:
             x, residual = intermediate["hidden_states"], intermediate["residual"]
         fused = decode and self.use_fused_ops

@@ -54,9 +54,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 def qk_norm_rope_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
                         index_k_norm, kv_cache, index_cache, *, num_heads, num_kv_heads, head_dim,
-                        rotary_dim, rope_theta, eps, index_heads=0, index_dim=0):
-    """Steps 3-4: per-head norm + partial RoPE of q, k (and index q/k); k, v (and index k) into the
-    paged caches at their slots (slot < 0: padding row, nothing written). Returns (q, index_q) fp32."""
+                        rotary_dim, rope_theta, eps, index_heads=0, index_dim=0, k_scale=1.0, v_scale=1.0):
+    """Steps 3-4: per-head norm + partial RoPE of q, k (and index q/k); k / k_scale, v / v_scale (vLLM's
+    convention: attention multiplies by the scales when reading) and index k into the paged caches at
+    their slots (slot < 0: padding row, nothing written). Returns (q, index_q) fp32."""
     n = qkv.shape[0]
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if index_heads:
@@ -69,7 +70,8 @@ def qk_norm_rope_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm
     bs = kv_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    kv_cache[slots // bs, :, slots % bs] = to_cache_dtype(torch.cat([k, v], -1)[valid], kv_cache.dtype)
+    kv_cache[slots // bs, :, slots % bs] = to_cache_dtype(torch.cat([k / k_scale, v / v_scale], -1)[valid],
+                                                          kv_cache.dtype)
     index_q = None
     if index_heads:
         index_q = rope(gemma_rmsnorm(parts[3].view(n, index_heads, index_dim), index_q_norm, eps))

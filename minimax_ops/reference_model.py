@@ -37,7 +37,7 @@ def attention_block(h, w: LayerWeights, cache: LayerCache, meta: StepMetadata, c
         w.index_q_norm, w.index_k_norm, cache.kv, cache.index, num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
         rope_theta=c.rope_theta, eps=c.rms_norm_eps, index_heads=c.sparse_num_index_heads if sparse else 0,
-        index_dim=c.sparse_index_dim if sparse else 0)
+        index_dim=c.sparse_index_dim if sparse else 0, k_scale=k_scale, v_scale=v_scale)
     q = rnd(q)
     lens = list(meta.query_lens)
     if sparse:

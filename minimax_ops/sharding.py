@@ -6,7 +6,7 @@ Per m3-decode-spec.md, with TP degree t (every rank holds equal shapes; only the
 - k, v and index-q heads split the same way over the KV kv heads, and replicated when t > KV (then
   t must be a multiple of KV, and rank r holds kv head r // (t/KV): the one its q heads attend with;
   index head h serves kv head h, so it goes along);
-- index-k, every norm, the router gate and bias, embeddings and lm_head: replicated;
+- index-k, every norm, the fp8 KV scales, the router gate and bias, embeddings and lm_head: replicated;
 - o_proj and every down projection (w2, down_proj): row-parallel, split along their input dim K;
 - routed experts, the shared expert and the dense MLP: gate/up rows split along the intermediate
   dim (every rank holds every expert: no expert parallelism).
@@ -42,6 +42,7 @@ _COLS = re.compile(_LAYER + r"(self_attn\.o_proj|mlp\.down_proj|block_sparse_moe
 _REPLICATED = re.compile(r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
                          r"|" + _LAYER + r"(input_layernorm|post_attention_layernorm)\.weight"
                          r"|" + _LAYER + r"self_attn\.(q_norm|k_norm|index_q_norm|index_k_norm)\.weight"
+                         r"|" + _LAYER + r"self_attn\.(k_scale|v_scale)"
                          r"|" + _LAYER + r"self_attn\.index_k_proj\." + _SCALES
                          + r"|" + _LAYER + r"block_sparse_moe\.(gate\.weight|e_score_correction_bias)")
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .cache import StepMetadata
+from .step_contract import uniform_decode
 
 _local = threading.local()
 
@@ -40,6 +41,6 @@ def general_step(query_len: int) -> StepMetadata | None:
     """The current step when it is NOT a uniform decode of ``query_len`` (the ops must then take
     the general path), else None."""
     step = current_step()
-    if step is None or (step.num_prefills == 0 and step.query_len == query_len):
+    if step is None or uniform_decode(step.num_prefills, step.query_len, query_len):
         return None
     return step

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImplBase, AttentionMetadata,
                                        AttentionMetadataBuilder, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
@@ -28,8 +29,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from minimax_ops.cache import StepMetadata
 from minimax_ops.log import log_once
-
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 
 @dataclass

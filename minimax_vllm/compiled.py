@@ -27,10 +27,13 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
+from vllm.sequence import IntermediateTensors
 
 from minimax_ops.cache import LayerCache, StepMetadata, allocate_caches
 from minimax_ops.config import MiniMaxM3Config
 from minimax_ops.model import MiniMaxM3ForCausalLM
+from minimax_ops.ops.collectives import VLLM_TP_GROUP
+from minimax_ops.sharding import local_config
 from minimax_ops.step_context import use_step
 from minimax_ops.weights import ModelWeights, random_model_weights
 
@@ -57,20 +60,27 @@ def decode_query_len_of(vllm_config: VllmConfig) -> int:
     return 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
 
 
-@support_torch_compile(dynamic_arg_dims={name: 0 for name in TOKEN_DIM_ARGS + REQUEST_DIM_ARGS})
+# Request counts are unbacked: vLLM drops guards, so a first step of one request must not specialise
+# the graph to one request (Dynamo specialises backed sizes of 1).
+@support_torch_compile(dynamic_arg_dims={name: 0 for name in TOKEN_DIM_ARGS + REQUEST_DIM_ARGS
+                                         + ("intermediate_tensors",)},
+                       mark_unbacked_dims={name: 0 for name in REQUEST_DIM_ARGS})
 class MiniMaxM3VllmModel(nn.Module):
     """forward(input_ids, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_caches,
-    index_caches) -> final hidden states bf16 [n, hidden] (``self.model.logits`` makes logits).
-    ``kv_caches`` has one cache per layer, ``index_caches`` one per sparse layer.
+    index_caches, intermediate_tensors=None) -> final hidden states bf16 [n, hidden] (``self.model.logits``
+    makes logits), or on a pipeline stage before the last the {"hidden_states", "residual"} for the next.
+    ``kv_caches`` has one cache per held layer, ``index_caches`` one per held sparse layer.
 
     ``config``: the model's MiniMaxM3Config when the VllmConfig carries no MiniMax-M3 hf_config;
-    ``weights``: ModelWeights (default: random, seeded); ``num_blocks``: when given, the module owns
-    caches of that many blocks as buffers (``layer_caches()``, for tests); ``decode_query_len``: the
-    uniform decode the graph is traced for (default 1 + speculative tokens)."""
+    ``weights``: ModelWeights (default: random, seeded), this rank's shard and stage; ``num_blocks``: when
+    given, the module owns caches of that many blocks as buffers (``layer_caches()``, for tests);
+    ``decode_query_len``: the uniform decode the graph is traced for (default 1 + speculative tokens);
+    ``layers``: this pipeline stage's layers (default all). Under tensor parallelism (the config's
+    tensor_parallel_size) the all-reduces go through vLLM's TP group (collectives.VLLM_TP_GROUP)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", config: MiniMaxM3Config | None = None,
                  weights: ModelWeights | None = None, num_blocks: int | None = None,
-                 decode_query_len: int | None = None):
+                 decode_query_len: int | None = None, layers: range | None = None):
         super().__init__()
         config = minimax_m3_config_from_vllm(vllm_config) or config
         if config is None:
@@ -80,19 +90,24 @@ class MiniMaxM3VllmModel(nn.Module):
             raise ValueError("compilation_config.cudagraph_mode: FULL freezes each layer's batch-kind decision "
                              "at capture for decode and mixed batches alike; use FULL_DECODE_ONLY or NONE")
         device = vllm_config.device_config.device
+        tp = vllm_config.parallel_config.tensor_parallel_size
         if weights is None:
-            weights = random_model_weights(config, generator=torch.Generator().manual_seed(0), device=device)
+            weights = random_model_weights(local_config(config, tp), generator=torch.Generator().manual_seed(0),
+                                           device=device)
         self.config = config
         self.decode_query_len = decode_query_len or decode_query_len_of(vllm_config)
-        self.model = MiniMaxM3ForCausalLM(config, weights)
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        self.model = MiniMaxM3ForCausalLM(config, weights, tp_size=tp, tp_group=VLLM_TP_GROUP if tp > 1 else None,
+                                          layers=layers)
         self.model.set_decode_query_len(self.decode_query_len)  # vLLM mode: see the module docstring
         max_len = deployment.max_model_len or config.max_position_embeddings
         self.table_width = math.ceil(max_len / config.sparse_block_size)  # block table columns a request can need
-        self.sparse_layers = [kind != "dense" for kind in config.layer_kinds]
+        self.sparse_layers = [config.layer_kinds[i] != "dense" for i in layers]
         self.owns_caches = num_blocks is not None
         if self.owns_caches:
-            caches = allocate_caches(config, num_blocks, kv_dtype=cache_dtype(deployment, "kv"),
-                                     index_dtype=cache_dtype(deployment, "index"), device=device, fill="zeros")
+            caches = allocate_caches(local_config(config, tp), num_blocks, kv_dtype=cache_dtype(deployment, "kv"),
+                                     index_dtype=cache_dtype(deployment, "index"), device=device,
+                                     fill="zeros")[layers.start:layers.stop]
             for i, cache in enumerate(caches):
                 self.register_buffer(f"kv_cache_{i}", cache.kv)
                 if cache.index is not None:
@@ -105,7 +120,8 @@ class MiniMaxM3VllmModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 index_slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor]) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor],
+                intermediate_tensors: IntermediateTensors | None = None):
         # Only the tensors are traced; the host facts here describe the decode the graph is built
         # for, and the ops compare them with the real step's (step_context) at run time.
         q = self.decode_query_len
@@ -114,7 +130,8 @@ class MiniMaxM3VllmModel(nn.Module):
                             query_len=q)
         index = iter(index_caches)
         caches = [LayerCache(kv, next(index) if sparse else None) for kv, sparse in zip(kv_caches, self.sparse_layers)]
-        return self.model.hidden_states(input_ids, positions, caches, meta)
+        intermediate = None if intermediate_tensors is None else dict(intermediate_tensors.tensors)
+        return self.model.hidden_states(input_ids, positions, caches, meta, intermediate)
 
 
 def step_args(input_ids: torch.Tensor, meta: StepMetadata, caches: list[LayerCache]) -> tuple:

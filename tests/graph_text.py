@@ -20,6 +20,7 @@ small harness that compiles the tiny model with the pass and checks a step again
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import re
 from collections import Counter
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch._inductor.custom_graph_pass
 
 import minimax_ops  # noqa: F401  (registers torch.ops.minimax.*, whose schemas order the arguments)
 from minimax_ops.cache import StepMetadata, allocate_caches, build_step
@@ -356,6 +358,19 @@ def uncached_compiles():
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+class GraphKeeper(torch._inductor.custom_graph_pass.CustomGraphPass):
+    """A post-grad pass that keeps a copy of each graph (in ``graphs``) and changes nothing."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph) -> None:
+        self.graphs.append(copy.deepcopy(graph))
+
+    def uuid(self) -> str:
+        return "graph-keeper"
 
 
 def compile_model(model: torch.nn.Module, graph_pass: Any, *, dynamic: bool | None = False) -> Callable:

@@ -84,3 +84,18 @@ def test_transformers_form_config_is_never_misread(change, fragment):
         MiniMaxM3Config.from_hf_dict(d)
     assert fragment in str(info.value)
 
+
+
+def test_fp8_kv_scales_are_read_per_layer_and_checked(tmp_path):
+    from minimax_ops.loader import load_model
+
+    def add_scales(t):
+        t["language_model.model.layers.2.self_attn.k_scale"] = torch.tensor(0.5)
+        t["language_model.model.layers.2.self_attn.v_scale"] = torch.tensor(3.0)
+    write_checkpoint(tmp_path / "ok", edit=add_scales)
+    model = load_model(tmp_path / "ok")
+    assert [(layer.k_scale, layer.v_scale) for layer in model.model.layers] == [(1.0, 1.0)] * 2 + [(0.5, 3.0), (1.0, 1.0)]
+    write_checkpoint(tmp_path / "bad", edit=lambda t: t.__setitem__("language_model.model.layers.1.self_attn.k_scale",
+                                                                     torch.tensor([-1.0])))
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_scale: expected one positive float"):
+        load_model(tmp_path / "bad")

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 from conftest import minimax_reasons
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graph_text as gt
@@ -107,23 +106,10 @@ def test_int32_positions_step_is_not_fused(caplog):
     _assert_general_path(p)
 
 
-class _GraphKeeper(CustomGraphPass):
-    """Keeps a copy of the post-grad graph and changes nothing."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph):
-        self.graphs.append(copy.deepcopy(graph))
-
-    def uuid(self):
-        return "graph-keeper"
-
-
 @pytest.fixture(scope="module")
 def decode_graph():
     """The post-grad graph of a q=1 decode step of the tiny model, before any pass."""
-    keeper = _GraphKeeper()
+    keeper = gt.GraphKeeper()
     _run(keeper, [37, 20], 1, seed=4)
     assert len(keeper.graphs) == 1
     return keeper.graphs[0]

@@ -60,7 +60,7 @@ add_rmsnorm = minimax.add_rmsnorm(embedding, full, in7, 1e-06)
 mx_linear = minimax.mx_linear(add_rmsnorm[0], in8, None)
 qk_norm_rope_kv_insert = af_v2 minimax.qk_norm_rope_kv_insert(qkv=mx_linear, positions=in1, slot_mapping=in2,
     q_norm=in9, k_norm=in10, kv_cache=in15!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
-    rope_theta=5000000.0, eps=1e-06)
+    rope_theta=5000000.0, eps=1e-06, k_scale=1.0, v_scale=1.0)
 dense_attention_decode = minimax.dense_attention_decode(qk_norm_rope_kv_insert[0], qk_norm_rope_kv_insert[1],
     in4, in5, 1, 1.0, 1.0)
 mx_linear_1 = minimax.mx_linear(dense_attention_decode, in11, None)
@@ -71,7 +71,7 @@ mx_linear_2 = minimax.mx_linear(add_rmsnorm_2[0], in17, None)
 qk_norm_rope_kv_index_insert = af_v2 minimax.qk_norm_rope_kv_index_insert(qkv=mx_linear_2, positions=in1,
     slot_mapping=in2, index_slot_mapping=in3, q_norm=in18, k_norm=in19, index_q_norm=in20, index_k_norm=in21,
     kv_cache=in30!, index_cache=in31!, num_heads=8, num_kv_heads=2, head_dim=32, rotary_dim=16,
-    rope_theta=5000000.0, eps=1e-06, index_heads=2, index_dim=32)
+    rope_theta=5000000.0, eps=1e-06, index_heads=2, index_dim=32, k_scale=1.0, v_scale=1.0)
 index_topk = minimax.index_topk(qk_norm_rope_kv_index_insert[1], qk_norm_rope_kv_index_insert[3], in4, in5, 1,
     4)
 sparse_attention_decode = minimax.sparse_attention_decode(qk_norm_rope_kv_index_insert[0],

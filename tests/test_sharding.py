@@ -43,7 +43,8 @@ def test_unsplittable_degrees_are_refused_with_the_reason(config, t, fragment):
 
 @pytest.mark.parametrize("config,t,want", [
     (CFG, 1, [(0, 2)]), (CFG, 2, [(0, 1), (1, 2)]), (CFG, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]),
-    (preset("real"), 2, [(0, 2), (2, 4)]), (preset("real"), 8, [(0, 1)] * 2 + [(1, 2)] * 2 + [(2, 3)] * 2 + [(3, 4)] * 2),
+    (preset("real"), 2, [(0, 2), (2, 4)]),
+    (preset("real"), 8, [(0, 1)] * 2 + [(1, 2)] * 2 + [(2, 3)] * 2 + [(3, 4)] * 2),
 ])
 def test_kv_heads_of_each_rank(config, t, want):
     got = [kv_head_slice(config, r, t) for r in range(t)]

@@ -140,6 +140,7 @@ def vllm_group_worker(rank: int, world: int, workdir: str) -> dict:
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 
+    import minimax_vllm  # noqa: F401  (the decode pass reads the deployment from vLLM's config through it)
     from minimax_ops.ops.collectives import VLLM_TP_GROUP
 
     case = torch.load(f"{workdir}/case.pt", weights_only=False)

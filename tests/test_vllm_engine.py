@@ -25,7 +25,9 @@ import torch
 
 from minimax_ops.loader import load_weights
 from minimax_ops.ops import fused as fused_ops
-from vllm_checkpoint import TINY, reference_greedy, write_checkpoint
+from test_checkpoint_layouts import transformers_form
+from transformers_reference import transformers_greedy
+from vllm_checkpoint import TINY, decisive_prompts, reference_greedy, write_checkpoint
 from vllm_support import NO_VLLM_FUSIONS, forced_vllm_compile, isolate_compile_caches, require_vllm
 
 MAX_TOKENS_OUT = 16
@@ -165,6 +167,24 @@ def test_trace_once_route_serves_a_second_batch(trace_once, reference):
     tokens, fused = trace_once.generate(batch)
     assert fused["sparse"] > 0 and trace_once.graph_pass.calls == 1  # no recompilation
     assert tokens == [reference(p) for p in batch]
+
+
+def test_transformers_minimax_m3_is_a_second_reference(trace_once, checkpoint):
+    """transformers' own MiniMax-M3 (weights mapped from the release's names) gives the engine's tokens,
+    for prompts of one block and of more blocks than top-k (selection matters), whose greedy path is
+    decisive at bf16 precision (near-ties would make any two implementations disagree)."""
+    from safetensors.torch import load_file
+
+    from minimax_ops.loader import text_model_tensors
+
+    path, weights = checkpoint
+    tensors = text_model_tensors(load_file(str(path / "model.safetensors")))
+    cases = decisive_prompts(weights, TINY, (250, 380, 57), MAX_TOKENS_OUT, seed=7)
+    tokens, _ = trace_once.generate([prompt for prompt, _ in cases])
+    text = transformers_form(TINY)["text_config"]
+    for (prompt, reference_tokens), engine_tokens in zip(cases, tokens):
+        assert engine_tokens == reference_tokens
+        assert engine_tokens == transformers_greedy(tensors, TINY, text, prompt, MAX_TOKENS_OUT), len(prompt)
 
 
 # ---- VLLM_COMPILE kept: vLLM's pass manager and compile ranges ----------------------------------------------

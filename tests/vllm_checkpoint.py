@@ -56,6 +56,13 @@ def write_checkpoint(path: Path, config: MiniMaxM3Config = TINY, seed: int = 0, 
 
 def reference_greedy(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the project's pure-PyTorch reference model: one prefill, then one-token steps."""
+    return reference_greedy_margin(weights, config, prompt, max_tokens)[0]
+
+
+def reference_greedy_margin(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int],
+                            max_tokens: int) -> tuple[list[int], float]:
+    """(greedy tokens, the smallest gap between the best and second-best logit over the steps): a
+    gap within bf16 noise makes the greedy choice itself a coin toss between implementations."""
     from minimax_ops.cache import allocate_caches, build_step
     from minimax_ops.reference_model import model_forward
 
@@ -63,12 +70,32 @@ def reference_greedy(weights: ModelWeights, config: MiniMaxM3Config, prompt: lis
     num_blocks = -(-(len(prompt) + max_tokens) // bs)
     caches = allocate_caches(config, num_blocks, fill="zeros")
     ids = [list(range(num_blocks))]
-    out, context, step = [], 0, list(prompt)
+    out, context, step, margin = [], 0, list(prompt), float("inf")
     for _ in range(max_tokens):
         meta = build_step([context], [len(step)], block_size=bs, num_blocks=num_blocks, block_ids=ids,
                           table_width=num_blocks)
         logits = model_forward(torch.tensor(step), weights, caches, meta, config)
+        top = logits[-1].topk(2).values
+        margin = min(margin, float(top[0] - top[1]))
         out.append(int(logits[-1].argmax()))
         context += len(step)
         step = out[-1:]
+    return out, margin
+
+
+def decisive_prompts(weights: ModelWeights, config: MiniMaxM3Config, lens, max_tokens: int, seed: int,
+                     min_margin: float = 0.05) -> list[tuple[list[int], list[int]]]:
+    """(prompt, reference tokens) per length, drawing prompts until every greedy step's top-2 logit gap
+    is at least min_margin (bf16 activations move logits by ~1e-2 between implementations)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lens:
+        for _ in range(20):
+            prompt = torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
+            tokens, margin = reference_greedy_margin(weights, config, prompt, max_tokens)
+            if margin >= min_margin:
+                out.append((prompt, tokens))
+                break
+        else:
+            raise AssertionError(f"no prompt of {n} tokens with a decisive greedy path in 20 draws")
     return out

@@ -4,7 +4,10 @@ platform, isolated compile caches."""
 from __future__ import annotations
 
 import os
+import pathlib
+import tomllib
 from contextlib import contextmanager
+from importlib.metadata import entry_points
 
 import pytest
 
@@ -43,8 +46,9 @@ def forced_vllm_compile(monkeypatch: pytest.MonkeyPatch):
         if mode == CompilationMode.VLLM_COMPILE:
             vllm_config.compilation_config.mode = mode
 
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_vllm_compile))
-    yield
+    with monkeypatch.context() as mp:  # undone on leaving, not when the (module-scoped) monkeypatch ends
+        mp.setattr(platform, "check_and_update_config", classmethod(keep_vllm_compile))
+        yield
 
 
 def isolate_compile_caches(monkeypatch: pytest.MonkeyPatch, root) -> None:
@@ -52,3 +56,18 @@ def isolate_compile_caches(monkeypatch: pytest.MonkeyPatch, root) -> None:
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # also turns vLLM's AOT compile off
+
+
+def entry_point_folder(tmp_path: pathlib.Path) -> pathlib.Path | None:
+    """A folder holding pyproject.toml's declared entry point as distribution metadata, or None when the
+    package is installed: put it on a process's path and vLLM's plugin loader finds the project."""
+    if any(e.name == "minimax_ops" for e in entry_points(group="vllm.general_plugins")):
+        return None
+    pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
+    info = tmp_path / "meta" / "minimax_m3_ops_uninstalled-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: minimax-m3-ops-uninstalled\nVersion: 0.0\n")
+    lines = ["[vllm.general_plugins]"] + [f"{k} = {v}" for k, v in declared["vllm.general_plugins"].items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return info.parent

@@ -38,19 +38,20 @@ def _mx_linear(x, weight, scale, out_fp32=False):
 
 def _qk_norm_rope_kv_index_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
                                   index_k_norm, kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim,
-                                  rope_theta, eps, index_heads, index_dim):
+                                  rope_theta, eps, index_heads, index_dim, k_scale=1.0, v_scale=1.0):
     return qk_norm_rope.qk_norm_rope_insert(
         qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm, kv_cache,
         index_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, pdl=True)
+        rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
+        v_scale=v_scale, pdl=True)
 
 
 def _qk_norm_rope_kv_insert(qkv, positions, slot_mapping, q_norm, k_norm, kv_cache, num_heads, num_kv_heads,
-                            head_dim, rotary_dim, rope_theta, eps):
+                            head_dim, rotary_dim, rope_theta, eps, k_scale=1.0, v_scale=1.0):
     return qk_norm_rope.qk_norm_rope_insert(
         qkv, positions, slot_mapping, None, q_norm, k_norm, None, None, kv_cache, None, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps,
-        pdl=True)[0]
+        k_scale=k_scale, v_scale=v_scale, pdl=True)[0]
 
 
 

@@ -98,7 +98,7 @@ def _qk_norm_rope_insert_kernel(
         q_w_ptr, k_w_ptr, index_q_w_ptr, index_k_w_ptr,
         kv_ptr, index_cache_ptr, q_out_ptr, index_q_out_ptr,
         stride_qkv, stride_kv_block, stride_kv_head, stride_kv_slot, stride_ic_block, stride_ic_slot,
-        eps, base_hi, base_lo,
+        eps, base_hi, base_lo, inv_k_scale, inv_v_scale,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
@@ -126,10 +126,10 @@ def _qk_norm_rope_insert_kernel(
                    + (slot % BLOCK_SIZE) * stride_kv_slot + d)
             if is_v:
                 v = tl.load(row + d).to(tl.float32)
-                tl.store(dst + HEAD_DIM, _to_cache(v, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
+                tl.store(dst + HEAD_DIM, _to_cache(v * inv_v_scale, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
             else:
                 y = _norm_rope(row, k_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
-                tl.store(dst, _to_cache(y, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
+                tl.store(dst, _to_cache(y * inv_k_scale, kv_ptr.dtype.element_ty, KV_FP8, INTERPRETED))
     elif INDEX_HEADS > 0:
         if seg < IK_SEG:
             y = _norm_rope(row, index_q_w_ptr, pos, eps, base_hi, base_lo, HEAD_DIM, ROT_DIM)
@@ -174,11 +174,12 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
                         index_q_norm: torch.Tensor | None, index_k_norm: torch.Tensor | None,
                         kv_cache: torch.Tensor, index_cache: torch.Tensor | None, *, num_heads: int,
                         num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float,
-                        index_heads: int = 0, index_dim: int = 0, pdl: bool = False
+                        index_heads: int = 0, index_dim: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                        pdl: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 3-4 of the decode spec. qkv bf16 [n, (H + 2*KVH)*D (+ (Hi + 1)*Di)]; writes k, v into
-    kv_cache [blocks, KVH, bs, 2D] at slot_mapping and index_k into index_cache [blocks, bs, Di] at
-    index_slot_mapping (slot < 0: nothing written). Returns (q bf16 [n, H, D], index_q bf16
+    """Steps 3-4 of the decode spec. qkv bf16 [n, (H + 2*KVH)*D (+ (Hi + 1)*Di)]; writes k / k_scale,
+    v / v_scale into kv_cache [blocks, KVH, bs, 2D] at slot_mapping (attention multiplies them back)
+    and index_k into index_cache [blocks, bs, Di] at index_slot_mapping (slot < 0: nothing written). Returns (q bf16 [n, H, D], index_q bf16
     [n, Hi, Di] or None)."""
     _need(qkv.dim() == 2 and qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1,
           f"qkv: expected a bf16 [n, width] tensor with contiguous rows, got {qkv.dtype} shape "
@@ -194,6 +195,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
           f"rotary_dim: expected an even number in 2..{min(head_dim, MAX_ROTARY_DIM)}, got {rotary_dim}")
     _check_vector("positions", positions, n, torch.int64)
     _check_vector("slot_mapping", slot_mapping, n, torch.int64)
+    _need(k_scale > 0 and v_scale > 0, f"k_scale, v_scale: expected positive scales, got {k_scale}, {v_scale}")
     _check_norm_weight("q_norm", q_norm, head_dim)
     _check_norm_weight("k_norm", k_norm, head_dim)
     _need(kv_cache.dim() == 4 and kv_cache.shape[1] == num_kv_heads and kv_cache.shape[3] == 2 * head_dim
@@ -230,7 +232,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping
         qkv, positions, slot_mapping, islots, q_norm, k_norm, iq_w, ik_w, kv_cache, icache, q, iq_out,
         qkv.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         icache.stride(0), icache.stride(1) if has_index else 0,
-        eps, base_hi, base_lo,
+        eps, base_hi, base_lo, 1.0 / k_scale, 1.0 / v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, INDEX_HEADS=index_heads if has_index else 0,
         HEAD_DIM=head_dim, ROT_DIM=rotary_dim, BLOCK_SIZE=block_size,
         KV_FP8=kv_cache.dtype == torch.float8_e4m3fn,
@@ -255,7 +257,8 @@ def aot_specs() -> list[KernelSpec]:
                          "q_out_ptr": "*bf16", "index_q_out_ptr": "*bf16", "stride_qkv": "i32",
                          "stride_kv_block": "i32", "stride_kv_head": "i32", "stride_kv_slot": "i32",
                          "stride_ic_block": "i32", "stride_ic_slot": "i32",
-                         "eps": "fp32", "base_hi": "fp32", "base_lo": "fp32"},
+                         "eps": "fp32", "base_hi": "fp32", "base_lo": "fp32", "inv_k_scale": "fp32",
+                         "inv_v_scale": "fp32"},
                         {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads,
                          "INDEX_HEADS": index_heads if sparse else 0, "HEAD_DIM": dim, "ROT_DIM": rot,
                          "BLOCK_SIZE": bs, "KV_FP8": kv_t == "*fp8e4nv",

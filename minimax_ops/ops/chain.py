@@ -65,7 +65,7 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
     qkv, residual = _qkv(x, residual, w, c, mm)
     q, index_q = mm.qk_norm_rope_kv_index_insert(
         qkv, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
-        w["index_k_norm"], kv_cache, index_cache, *_heads(c), c.index_heads, c.index_dim)
+        w["index_k_norm"], kv_cache, index_cache, *_heads(c), c.index_heads, c.index_dim, c.k_scale, c.v_scale)
     if query_lens is not None:
         attn = mm.attention_any_step(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens,
                                      c.topk_blocks, c.k_scale, c.v_scale)
@@ -81,7 +81,8 @@ def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens,
     """Steps 1-7 of a dense layer (full GQA attention) -> (o unreduced, residual)."""
     mm = ops or MM
     qkv, residual = _qkv(x, residual, w, c, mm)
-    q = mm.qk_norm_rope_kv_insert(qkv, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache, *_heads(c))
+    q = mm.qk_norm_rope_kv_insert(qkv, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache, *_heads(c),
+                                  c.k_scale, c.v_scale)
     if query_lens is not None:
         attn = mm.attention_any_step(q, None, kv_cache, None, block_table, seq_lens, query_lens, 1, c.k_scale,
                                      c.v_scale)

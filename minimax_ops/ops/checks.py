@@ -13,6 +13,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..constants import MAX_TOKENS
 from ..formats import WeightFormat, logical_in_features, logical_out_features, weight_layout
+from ..step_contract import STEP_DTYPES, query_len_ok
 
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -95,21 +96,21 @@ def check_step(n, positions: torch.Tensor | None, slot_mapping: torch.Tensor | N
     """Step metadata: int64 positions / slots covering the n tokens, an int32 row-contiguous block
     table and int32 seq_lens covering the n / query_len requests."""
     if positions is not None:
-        check_dtype("positions", positions, torch.int64)
+        check_dtype("positions", positions, STEP_DTYPES["positions"])
         check_shape("positions", positions, (n,))
     if slot_mapping is not None:
-        check_dtype("slot_mapping", slot_mapping, torch.int64)
+        check_dtype("slot_mapping", slot_mapping, STEP_DTYPES["slot_mapping"])
         check_shape("slot_mapping", slot_mapping, (n,))
     if block_table is not None:
-        check_dtype("block_table", block_table, torch.int32)
+        check_dtype("block_table", block_table, STEP_DTYPES["block_table"])
         check(block_table.dim() == 2, f"block_table: expected [requests, width], got shape {tuple(block_table.shape)}")
         check(block_table.stride(-1) == 1 and block_table.stride(0) == block_table.shape[1],
               f"block_table: expected a row-contiguous table, got strides {block_table.stride()}")
     if seq_lens is not None:
-        check_dtype("seq_lens", seq_lens, torch.int32)
+        check_dtype("seq_lens", seq_lens, STEP_DTYPES["seq_lens"])
         check(seq_lens.dim() == 1, f"seq_lens: expected 1 dimension, got shape {tuple(seq_lens.shape)}")
     if query_len is not None:
-        check(1 <= query_len <= MAX_TOKENS, f"query_len: expected 1..{MAX_TOKENS}, got {query_len}")
+        check(query_len_ok(query_len), f"query_len: expected 1..{MAX_TOKENS}, got {query_len}")
         # Relations of the token count to query_len and the requests: checked whenever the sizes are
         # known (always on real tensors), not asserted on a symbolic trace-time count: a graph that
         # serves every step (vLLM) holds these ops for prefills too, which take the general path.

@@ -58,7 +58,8 @@ def reduce_sum(x: Tensor, group_name: str) -> Tensor:
 
 def _check_all_reduce(x: Tensor, group_name: str) -> None:
     check(x.dim() == 2, f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
-    check(x.dtype in (torch.float32, torch.bfloat16), f"x: expected dtype torch.float32 or torch.bfloat16, got {x.dtype}")
+    check(x.dtype in (torch.float32, torch.bfloat16),
+          f"x: expected dtype torch.float32 or torch.bfloat16, got {x.dtype}")
     check(bool(group_name), "group_name: expected a process group name (or 'vllm:tp'), got ''")
 
 

@@ -26,6 +26,7 @@ from .. import reference as ref
 from ..formats import logical_out_features
 from ..backend import use_kernels
 from ..step_context import general_step
+from ..step_contract import STEP_DTYPES
 from . import prefill
 from .checks import (check, check_activation, check_cache, check_down_proj, check_dtype, check_linear,
                      check_shape, check_step)
@@ -90,8 +91,10 @@ def _(x, weight, scale, out_fp32=False):
 # ---- per-head norm + RoPE + cache insert ------------------------------------------------------------
 
 
-def _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim, index_width=0):
+def _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim, index_width=0,
+                  k_scale=1.0, v_scale=1.0):
     n = qkv.shape[0]
+    check(k_scale > 0 and v_scale > 0, f"k_scale, v_scale: expected positive scales, got {k_scale}, {v_scale}")
     check_activation("qkv", qkv, (num_heads + 2 * num_kv_heads) * head_dim + index_width)
     check_step(n, positions, slot_mapping, None, None)
     check_cache("kv_cache", kv_cache, (None, num_kv_heads, None, 2 * head_dim))
@@ -100,12 +103,14 @@ def _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_head
 @torch.library.custom_op("minimax::qk_norm_rope_kv_insert", mutates_args=("kv_cache",))
 def qk_norm_rope_kv_insert(qkv: Tensor, positions: Tensor, slot_mapping: Tensor, q_norm: Tensor, k_norm: Tensor,
                            kv_cache: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                           rope_theta: float, eps: float) -> Tensor:
-    """Dense layers: q/k per-head Gemma norm + partial RoPE, k and v into kv_cache. Returns q [n, H, D]."""
-    _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim)
+                           rope_theta: float, eps: float, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    """Dense layers: q/k per-head Gemma norm + partial RoPE, k / k_scale and v / v_scale into kv_cache
+    (the attention ops multiply by the scales). Returns q [n, H, D]."""
+    _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim, k_scale=k_scale,
+                  v_scale=v_scale)
     args = (qkv, positions, slot_mapping, None, q_norm, k_norm, None, None, kv_cache, None)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-              rope_theta=rope_theta, eps=eps)
+              rope_theta=rope_theta, eps=eps, k_scale=k_scale, v_scale=v_scale)
     if use_kernels(qkv):
         from ..kernels.qk_norm_rope import qk_norm_rope_insert as kernel
         return kernel(*args, **kw)[0]
@@ -114,8 +119,9 @@ def qk_norm_rope_kv_insert(qkv: Tensor, positions: Tensor, slot_mapping: Tensor,
 
 @qk_norm_rope_kv_insert.register_fake
 def _(qkv, positions, slot_mapping, q_norm, k_norm, kv_cache, num_heads, num_kv_heads, head_dim, rotary_dim,
-      rope_theta, eps):
-    _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim)
+      rope_theta, eps, k_scale=1.0, v_scale=1.0):
+    _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim, k_scale=k_scale,
+                  v_scale=v_scale)
     return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
 
 
@@ -124,15 +130,16 @@ def qk_norm_rope_kv_index_insert(qkv: Tensor, positions: Tensor, slot_mapping: T
                                  q_norm: Tensor, k_norm: Tensor, index_q_norm: Tensor, index_k_norm: Tensor,
                                  kv_cache: Tensor, index_cache: Tensor, num_heads: int, num_kv_heads: int,
                                  head_dim: int, rotary_dim: int, rope_theta: float, eps: float, index_heads: int,
-                                 index_dim: int) -> tuple[Tensor, Tensor]:
+                                 index_dim: int, k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """Sparse layers: as qk_norm_rope_kv_insert, plus index q/k norm + RoPE and index_k into
     index_cache. Returns (q [n, H, D], index_q [n, Hi, Di])."""
     _check_index_insert(qkv, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, num_heads,
-                        num_kv_heads, head_dim, index_heads, index_dim)
+                        num_kv_heads, head_dim, index_heads, index_dim, k_scale, v_scale)
     args = (qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm,
             kv_cache, index_cache)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim)
+              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
+              v_scale=v_scale)
     if use_kernels(qkv):
         from ..kernels.qk_norm_rope import qk_norm_rope_insert as kernel
         return kernel(*args, **kw)
@@ -141,19 +148,20 @@ def qk_norm_rope_kv_index_insert(qkv: Tensor, positions: Tensor, slot_mapping: T
 
 
 def _check_index_insert(qkv, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, num_heads,
-                        num_kv_heads, head_dim, index_heads, index_dim):
+                        num_kv_heads, head_dim, index_heads, index_dim, k_scale=1.0, v_scale=1.0):
     _check_insert(qkv, positions, slot_mapping, kv_cache, num_heads, num_kv_heads, head_dim,
-                  (index_heads + 1) * index_dim)
-    check_dtype("index_slot_mapping", index_slot_mapping, torch.int64)
+                  (index_heads + 1) * index_dim, k_scale, v_scale)
+    check_dtype("index_slot_mapping", index_slot_mapping, STEP_DTYPES["index_slot_mapping"])
     check_shape("index_slot_mapping", index_slot_mapping, (qkv.shape[0],))
     check_cache("index_cache", index_cache, (None, kv_cache.shape[2], index_dim))
 
 
 @qk_norm_rope_kv_index_insert.register_fake
 def _(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm, kv_cache,
-      index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim):
+      index_cache, num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim,
+      k_scale=1.0, v_scale=1.0):
     _check_index_insert(qkv, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, num_heads,
-                        num_kv_heads, head_dim, index_heads, index_dim)
+                        num_kv_heads, head_dim, index_heads, index_dim, k_scale, v_scale)
     n = qkv.shape[0]
     return qkv.new_empty(n, num_heads, head_dim), qkv.new_empty(n, index_heads, index_dim)
 
