@@ -28,7 +28,7 @@ from minimax_ops.loader import kv_scales, text_model_tensors, weights_from_tenso
 from minimax_ops.log import log_once
 from minimax_ops.step_context import use_step
 
-from .attention import MiniMaxM3CacheLayer, step_from_vllm
+from .attention import MiniMaxM3CacheLayer, idle_step, step_from_vllm
 from .compiled import MiniMaxM3VllmModel, cache_dtype
 from .deployment import deployment_from_vllm_config, minimax_m3_config_from_vllm
 
@@ -102,13 +102,16 @@ class MiniMaxM3ForVllm(nn.Module):
             raise ValueError("inputs_embeds / intermediate_tensors: MiniMaxM3ForVllm takes token ids on one "
                              "pipeline stage only")
         attn = get_forward_context().attn_metadata
-        if not attn:  # profiling / warm-up dummy run: no caches, no metadata
-            return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=torch.bfloat16,
-                               device=input_ids.device)
         if isinstance(attn, list):  # micro-batched steps are not supported (one metadata dict per step)
             raise ValueError("attn_metadata: micro-batching (ubatching) is not supported by MiniMaxM3ForVllm")
-        index = attn[self.index_layers[0].layer_name] if len(self.index_layers) else None
-        step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions)
+        if not attn:  # a dummy run (profiling, warm-up)
+            if self.kv_layers[0].kv_cache.dim() != 4:  # before vLLM allocated the caches: nothing to run
+                return torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=torch.bfloat16,
+                                   device=input_ids.device)
+            step = idle_step(positions, self.text.table_width, input_ids.device)  # compiles at its size
+        else:
+            index = attn[self.index_layers[0].layer_name] if len(self.index_layers) else None
+            step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions, self.text.table_width)
         # The config is current while the module compiles (the decode pass reads the deployment from it;
         # vLLM's trace-once mode compiles here without setting it).
         with use_step(step), set_current_vllm_config(self.vllm_config):
