@@ -10,7 +10,8 @@
 - Caches: one MiniMaxM3CacheLayer per cache (attention.py); vLLM allocates and binds them.
 - Steps: ``forward`` turns vLLM's attention metadata into a StepMetadata (attention.step_from_vllm)
   and makes it the current step for the ops; a run without attention metadata (vLLM's profiling and
-  warm-up dummy runs, before caches exist) skips the decoder and returns zeros of the right shape.
+  warm-up dummy runs) runs an idle step that touches no cache, or, before the caches exist, skips the
+  decoder and returns zeros of the right shape.
 """
 
 from __future__ import annotations
