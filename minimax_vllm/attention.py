@@ -128,12 +128,38 @@ class MiniMaxM3CacheLayer(nn.Module, AttentionLayerBase):
         raise RuntimeError("MiniMaxM3CacheLayer is a cache holder, not a module to call")
 
 
+MIN_REQUEST_ROWS = 2  # block table / seq_lens rows passed to the graph: never a size Dynamo specialises
+
+
+def _pad_requests(table: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At least ``rows`` request rows; the added ones are padding requests (seq_len 0, read by nothing)."""
+    if table.shape[0] >= rows:
+        return table, seq_lens
+    extra = rows - table.shape[0]
+    return (torch.cat([table, table.new_zeros(extra, table.shape[1])]),
+            torch.cat([seq_lens, seq_lens.new_zeros(extra)]))
+
+
+def idle_step(positions: torch.Tensor, table_width: int, device) -> StepMetadata:
+    """A step that writes and reads no cache (every slot -1, every request padding), for vLLM's dummy
+    runs: the compiled graph runs (and compiles) at their sizes without touching a cache."""
+    n = positions.shape[0]
+    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    table = torch.zeros(max(n, MIN_REQUEST_ROWS), table_width, dtype=torch.int32, device=device)
+    seq_lens = torch.zeros(table.shape[0], dtype=torch.int32, device=device)
+    return StepMetadata(positions=positions, slot_mapping=slots, index_slot_mapping=slots, block_table=table,
+                        seq_lens=seq_lens, query_lens=(), num_prefills=1)
+
+
 def step_from_vllm(main: MiniMaxM3AttentionMetadata, index: MiniMaxM3AttentionMetadata | None,
-                   positions: torch.Tensor) -> StepMetadata:
+                   positions: torch.Tensor, table_width: int) -> StepMetadata:
     """The StepMetadata of one vLLM step (no device sync: host facts come from host tensors). ``main``
     is a main-cache layer's metadata, ``index`` a sparse layer's index-cache metadata (None when the
-    model has no sparse layer)."""
+    model has no sparse layer); ``table_width`` the block-table width the graph was built for."""
     c = main.common
+    if c.block_table_tensor.shape[1] != table_width:
+        raise RuntimeError(f"block_table: vLLM's table has {c.block_table_tensor.shape[1]} columns, the model "
+                           f"was built for {table_width} (ceil(max_model_len / block_size))")
     n = positions.shape[0]
     slots = c.slot_mapping[:n]
     index_slots = slots
@@ -146,7 +172,7 @@ def step_from_vllm(main: MiniMaxM3AttentionMetadata, index: MiniMaxM3AttentionMe
         slots = torch.cat([slots, slots.new_full((n - slots.shape[0],), -1)])
         index_slots = slots
     reqs = c.num_reqs
-    table, seq_lens = c.block_table_tensor[:reqs], c.seq_lens[:reqs]
+    table, seq_lens = _pad_requests(c.block_table_tensor[:reqs], c.seq_lens[:reqs], MIN_REQUEST_ROWS)
     # A batch whose tokens the requests do not cover exactly is never a uniform decode for the ops
     # (counted as holding a prefill, so they take the general path).
     covered = sum(main.query_lens) == n

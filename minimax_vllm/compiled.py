@@ -60,11 +60,11 @@ def decode_query_len_of(vllm_config: VllmConfig) -> int:
     return 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
 
 
-# Request counts are unbacked: vLLM drops guards, so a first step of one request must not specialise
-# the graph to one request (Dynamo specialises backed sizes of 1).
+# Request dims stay backed (vLLM picks a compile range by the graph's first size symbol, the token
+# count); MiniMaxM3ForVllm never passes fewer than MIN_REQUEST_ROWS rows, so Dynamo's specialisation
+# of sizes 0 and 1 cannot freeze the graph to one request.
 @support_torch_compile(dynamic_arg_dims={name: 0 for name in TOKEN_DIM_ARGS + REQUEST_DIM_ARGS
-                                         + ("intermediate_tensors",)},
-                       mark_unbacked_dims={name: 0 for name in REQUEST_DIM_ARGS})
+                                         + ("intermediate_tensors",)})
 class MiniMaxM3VllmModel(nn.Module):
     """forward(input_ids, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_caches,
     index_caches, intermediate_tensors=None) -> final hidden states bf16 [n, hidden] (``self.model.logits``

@@ -14,7 +14,8 @@
   (hidden_states, residual) between stages as IntermediateTensors.
 - Steps: ``forward`` turns vLLM's attention metadata into a StepMetadata (attention.step_from_vllm)
   and makes it the current step for the ops; a run without attention metadata (vLLM's profiling and
-  warm-up dummy runs, before caches exist) skips the decoder and returns zeros of the right shape.
+  warm-up dummy runs) runs an idle step that touches no cache, or, before the caches exist, skips the
+  decoder and returns zeros of the right shape.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from minimax_ops.log import log_once
 from minimax_ops.sharding import local_config
 from minimax_ops.step_context import use_step
 
-from .attention import MiniMaxM3CacheLayer, step_from_vllm
+from .attention import MiniMaxM3CacheLayer, idle_step, step_from_vllm
 from .compiled import MiniMaxM3VllmModel, cache_dtype
 from .deployment import deployment_from_vllm_config, minimax_m3_config_from_vllm
 
@@ -135,13 +136,16 @@ class MiniMaxM3ForVllm(nn.Module):
             raise ValueError(f"intermediate_tensors: expected them exactly on pipeline stages after the first "
                              f"(this stage holds layers {self.layer_range}), got {intermediate_tensors!r}")
         attn = get_forward_context().attn_metadata
-        if not attn:  # profiling / warm-up dummy run: no caches, no metadata
-            empty = self.make_empty_intermediate_tensors(input_ids.shape[0], torch.bfloat16, input_ids.device)
-            return empty["hidden_states"] if self.is_last_stage else empty
         if isinstance(attn, list):  # micro-batched steps are not supported (one metadata dict per step)
             raise ValueError("attn_metadata: micro-batching (ubatching) is not supported by MiniMaxM3ForVllm")
-        index = attn[self.index_layers[0].layer_name] if len(self.index_layers) else None
-        step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions)
+        if not attn:  # a dummy run (profiling, warm-up)
+            if self.kv_layers[0].kv_cache.dim() != 4:  # before vLLM allocated the caches: nothing to run
+                empty = self.make_empty_intermediate_tensors(input_ids.shape[0], torch.bfloat16, input_ids.device)
+                return empty["hidden_states"] if self.is_last_stage else empty
+            step = idle_step(positions, self.text.table_width, input_ids.device)  # compiles at its size
+        else:
+            index = attn[self.index_layers[0].layer_name] if len(self.index_layers) else None
+            step = step_from_vllm(attn[self.kv_layers[0].layer_name], index, positions, self.text.table_width)
         # The config is current while the module compiles (the decode pass reads the deployment from it;
         # vLLM's trace-once mode compiles here without setting it).
         with use_step(step), set_current_vllm_config(self.vllm_config):

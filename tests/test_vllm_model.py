@@ -97,14 +97,14 @@ def test_step_metadata_from_vllm_and_the_refusal_when_the_caches_do_not_share_bl
     slots = torch.tensor([3 * 128 + 1, 7], dtype=torch.int64)
     positions = torch.tensor([129, 6])
     main = _metadata([1, 1], seq_lens, table, slots)
-    step = step_from_vllm(main, _metadata([1, 1], seq_lens, table, slots), positions)
+    step = step_from_vllm(main, _metadata([1, 1], seq_lens, table, slots), positions, 2)
     assert step.query_len == 1 and step.num_prefills == 0 and torch.equal(step.block_table, table)
     assert step.block_table.data_ptr() == table.data_ptr()  # a view of vLLM's table, not a copy
     assert torch.equal(step.index_slot_mapping, slots)
     # Tokens the requests do not cover (padding): never a uniform decode, padding rows write nothing.
-    padded = step_from_vllm(main, None, torch.tensor([129, 6, 0]))
+    padded = step_from_vllm(main, None, torch.tensor([129, 6, 0]), 2)
     assert padded.num_prefills == 1 and padded.slot_mapping.tolist()[-1] == -1
     other = _metadata([1, 1], seq_lens, table.clone(), slots)  # the index cache in its own cache group
     with pytest.raises(RuntimeError, match="index cache its own cache group"):
-        step_from_vllm(main, other, positions)
+        step_from_vllm(main, other, positions, 2)
     assert any("index cache its own cache group" in r for r in minimax_reasons(minimax_log))
