@@ -37,3 +37,11 @@ def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
         out.append(KernelSpec(spec.kernel, spec.signature, {**spec.constexprs, "PDL": True}, spec.num_warps,
                               spec.num_stages, f"{spec.label()}_pdl", ("cuda",)))
     return out
+
+
+def with_prefetch_variants(specs: list[KernelSpec], real_size: str) -> list[KernelSpec]:
+    """``specs`` plus a CUDA-only PREFETCH=True copy of each PDL spec whose label holds ``real_size``:
+    the fused decode's launch that also warms a later stage's weights in L2 (kernels/decode_layer.py)."""
+    return specs + [KernelSpec(s.kernel, s.signature, {**s.constexprs, "PREFETCH": True}, s.num_warps, s.num_stages,
+                               f"{s.label()}_prefetch", ("cuda",))
+                    for s in specs if "PREFETCH" in s.constexprs and s.constexprs["PDL"] and real_size in s.label()]

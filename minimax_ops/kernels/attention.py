@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec, with_pdl_variants
+from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
 
 LOG2E = 1.4426950408889634
@@ -292,7 +292,4 @@ def aot_specs() -> list[KernelSpec]:
              "stride_on": "i32"},
             {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
     specs = with_pdl_variants(specs)
-    # The fused decode's launch: PDL with the o_proj prefetch (CUDA), at the real size.
-    return specs + [KernelSpec(s.kernel, s.signature, {**s.constexprs, "PREFETCH": True}, s.num_warps, s.num_stages,
-                               f"{s.label()}_prefetch", ("cuda",))
-                    for s in specs if "PREFETCH" in s.constexprs and s.constexprs["PDL"] and "_d128_" in s.label()]
+    return with_prefetch_variants(specs, "_d128_")  # real size only

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec, with_pdl_variants
+from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
 
 TOPK_CHUNK = 1024  # blocks per tl.topk slice in pass 2 (contexts up to 128k tokens in one slice)
@@ -208,6 +208,4 @@ def aot_specs() -> list[KernelSpec]:
                  "BLOCK_K": block_k, "CHUNK": _topk_chunk(width, block_k)},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
     specs = with_pdl_variants(specs)
-    return specs + [KernelSpec(s.kernel, s.signature, {**s.constexprs, "PREFETCH": True}, s.num_warps, s.num_stages,
-                               f"{s.label()}_prefetch", ("cuda",))
-                    for s in specs if "PREFETCH" in s.constexprs and s.constexprs["PDL"] and "_d128_" in s.label()]
+    return with_prefetch_variants(specs, "_d128_")  # real size only
