@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
     ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
-    ap.add_argument("--layout", choices=("kernel", "tiled", "canonical"), default="kernel",
-                    help="weights: weights.to_kernel_layout (kernel), the same tiled, or the checkpoint's")
+    ap.add_argument("--layout", choices=("kernel", "words", "tiled", "canonical"), default="kernel",
+                    help="weights: weights.to_kernel_layout (kernel: mxfp4_mma experts), the same with MXFP4 "
+                         "experts as words, tiled, or the checkpoint's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=gen,
                                        device=device)
         if args.layout != "canonical":
-            weights = to_kernel_layout(weights, tiled=args.layout == "tiled")
+            weights = to_kernel_layout(weights, tiled=args.layout == "tiled",
+                                       mma=None if args.layout == "kernel" else False)
         layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
         for ctx in contexts:
             for n in tokens:

@@ -17,6 +17,12 @@ element format says what the values are; the layout says how they sit in memory.
   each [BN, BK] tile a kernel program streams per K step is one contiguous block (long DRAM
   bursts instead of BN short row pieces). BN and BK are read back from the shape. MXFP4 tiles
   hold ``mxfp4_words`` words.
+- ``mxfp4_mma``: int32 [..., N/16, K/64, 128], scales uint8 [..., N/16, K/64, 32]: blocks of 16 rows
+  x 64 K values, each laid out for one warp's ``mma.sync.m16n8k16`` operands
+  (kernels/mma_decode.py): word 4l + j of a block (lane l = 4g + c, k-step j = 2q + jj) holds, in
+  ``mxfp4_words`` bit placement, values (row g; K 32q + 8c + 4jj + 0, 1), (row g + 8; same K),
+  (row g; + 2, 3), (row g + 8; + 2, 3); scale byte 4g + 2h + q of a block is row g + 8h's group q
+  plus ``MMA_SCALE_BIAS`` (so E8M0 scales above 128 do not fit: ``to_mma_layout`` refuses them).
 The reference and ``dequantize`` read every layout (``to_canonical`` undoes the re-layout);
 weights.py re-lays a model's weights once at load time (``to_layout``).
 """
@@ -62,7 +68,9 @@ def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> WeightFor
 
 
 # Kernel decode codes (the kernels' FMT constexpr): how one storage row along K decodes.
-FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS = 0, 1, 2, 3
+FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP4_MMA = 0, 1, 2, 3, 4
+MMA_ROWS, MMA_K, MMA_WORDS, MMA_SCALES = 16, 64, 128, 32  # one mxfp4_mma block
+MMA_SCALE_BIAS = 126  # stored scale byte = E8M0 scale + bias: the bf16 exponent the decode multiplies by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +81,7 @@ class WeightLayout:
     dtype: torch.dtype  # storage dtype
     k_per_unit: int  # K values per storage element along the last dimension
     tiled: bool = False
+    mma: bool = False  # blocks of mma.sync operands (``mxfp4_mma``)
 
     @property
     def canonical(self) -> "WeightLayout":
@@ -87,6 +96,7 @@ LAYOUTS = {layout.name: layout for layout in (
     WeightLayout("bf16_tiled", WeightFormat.BF16, FMT_BF16, torch.bfloat16, 1, tiled=True),
     WeightLayout("mxfp8_tiled", WeightFormat.MXFP8, FMT_MXFP8, torch.float8_e4m3fn, 1, tiled=True),
     WeightLayout("mxfp4_tiled", WeightFormat.MXFP4, FMT_MXFP4_WORDS, torch.int32, 8, tiled=True),
+    WeightLayout("mxfp4_mma", WeightFormat.MXFP4, FMT_MXFP4_MMA, torch.int32, 8, mma=True),
 )}
 CANONICAL = {WeightFormat.BF16: LAYOUTS["bf16"], WeightFormat.MXFP8: LAYOUTS["mxfp8"],
              WeightFormat.MXFP4: LAYOUTS["mxfp4"]}
@@ -106,6 +116,12 @@ def weight_layout(weight: torch.Tensor, scale: torch.Tensor | None, rank: int = 
         base = LAYOUTS[_BY_DTYPE[weight.dtype]]
     if weight.dim() == rank:
         return base
+    if weight.dim() == rank + 1 and weight.dtype == torch.int32 and weight.shape[-1] == MMA_WORDS:
+        want = (*weight.shape[:-1], MMA_SCALES)
+        if scale is None or tuple(scale.shape) != want:
+            raise ValueError(f"{name}_scale: expected mxfp4_mma scales of shape {want}, got "
+                             f"{None if scale is None else tuple(scale.shape)}")
+        return LAYOUTS["mxfp4_mma"]
     if weight.dim() == rank + 2 and weight.dtype != torch.uint8:
         layout = TILED[fmt]
         if scale is not None and (scale.dim() != weight.dim() or tuple(scale.shape[:-1]) != tuple(weight.shape[:-1])):
@@ -118,6 +134,9 @@ def weight_layout(weight: torch.Tensor, scale: torch.Tensor | None, rank: int = 
 
 def logical_shape(weight: torch.Tensor, layout: WeightLayout) -> tuple[int, ...]:
     """[..., N, K] of a weight stored in ``layout``."""
+    if layout.mma:
+        *lead, nb, kb, _ = weight.shape
+        return (*lead, nb * MMA_ROWS, kb * MMA_K)
     if layout.tiled:
         *lead, nt, kt, bn, units = weight.shape
         return (*lead, nt * bn, kt * units * layout.k_per_unit)
@@ -134,6 +153,8 @@ def tile_shape(weight: torch.Tensor, layout: WeightLayout) -> tuple[int, int] | 
 def logical_in_features(weight: torch.Tensor, rank: int | None = None) -> int:
     """K of a weight [..., N, K] in any layout (``rank``: its logical rank; storage of rank + 2 is tiled)."""
     per_unit = {torch.uint8: 2, torch.int32: 8}.get(weight.dtype, 1)
+    if rank is not None and weight.dim() == rank + 1 and weight.dtype == torch.int32:
+        return weight.shape[-2] * MMA_K
     if rank is not None and weight.dim() == rank + 2:
         return weight.shape[-3] * weight.shape[-1] * per_unit
     return weight.shape[-1] * per_unit
@@ -141,6 +162,8 @@ def logical_in_features(weight: torch.Tensor, rank: int | None = None) -> int:
 
 def logical_out_features(weight: torch.Tensor, rank: int) -> int:
     """N of a weight [..., N, K] in any layout."""
+    if weight.dim() == rank + 1 and weight.dtype == torch.int32:
+        return weight.shape[-3] * MMA_ROWS
     return weight.shape[-4] * weight.shape[-2] if weight.dim() == rank + 2 else weight.shape[-2]
 
 
@@ -314,8 +337,57 @@ def to_layout(weight: torch.Tensor, scale: torch.Tensor | None, tiles: tuple[int
 def to_canonical(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Any layout -> the checkpoint's canonical (weight, scale) pair."""
     layout = weight_layout(weight, scale, rank)
+    if layout.mma:
+        return _from_mma(weight, scale)
     if layout.tiled:
         weight, scale = _untile(weight), None if scale is None else _untile(scale)
     if layout.code == FMT_MXFP4_WORDS:
         weight = unpack_mxfp4_words(weight)
     return weight, scale
+
+
+# mxfp4_mma: value (row 16b + 8h + g, K 64kb + 32q + 8c + 4jj + 2t + u) sits at block (b, kb), word
+# 4(4g + c) + 2q + jj, value 4t + 2h + u of that word; its scale at byte 4g + 2h + q.
+_MMA_ROW_K = (2, 8, 2, 4, 2, 2, 2)  # the axes (h, g) of a row block and (q, c, jj, t, u) of a K block
+
+
+def to_mma_layout(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical MXFP4 [..., N, K/2] bytes + scales [..., N, K/32] -> ``mxfp4_mma``. N must be a
+    multiple of 16, K of 64, and every scale at most 128 (ValueError otherwise). Load time only."""
+    layout = weight_layout(weight, scale, weight.dim())
+    if layout.name != "mxfp4":
+        raise ValueError(f"weight: expected canonical MXFP4 bytes to re-lay as mxfp4_mma, got {layout.name}")
+    *lead, n, k = logical_shape(weight, layout)
+    if n % MMA_ROWS or k % MMA_K:
+        raise ValueError(f"weight: mxfp4_mma needs N % {MMA_ROWS} == 0 and K % {MMA_K} == 0, got [N, K] = [{n}, {k}]")
+    if scale.numel() and int(scale.max()) > 254 - MMA_SCALE_BIAS:
+        raise ValueError(f"weight_scale: mxfp4_mma stores E8M0 scales up to {254 - MMA_SCALE_BIAS}, got "
+                         f"{int(scale.max())}")
+    nb, kb = n // MMA_ROWS, k // MMA_K
+    codes = torch.stack([weight & 0xF, weight >> 4], dim=-1).flatten(-2)  # [..., N, K] e2m1 codes
+    h, g, q, c, jj, t, u = _MMA_ROW_K
+    codes = codes.reshape(*lead, nb, h, g, kb, q, c, jj, t, u)
+    d = len(lead)
+    # -> [..., b, kb, g, c, q, jj, t, h, u]: word (g, c, q, jj), value (t, h, u)
+    order = [*range(d), d, d + 3, d + 2, d + 5, d + 4, d + 6, d + 7, d + 1, d + 8]
+    codes = codes.permute(order).reshape(*lead, nb, kb, MMA_WORDS * 8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    s = scale.reshape(*lead, nb, h, g, kb, q).permute(*range(d), d, d + 3, d + 2, d + 1, d + 4)
+    s = (s.reshape(*lead, nb, kb, MMA_SCALES).to(torch.int32) + MMA_SCALE_BIAS).to(torch.uint8)
+    return pack_mxfp4_words(packed.contiguous()), s.contiguous()
+
+
+def _from_mma(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    *lead, nb, kb, _ = words.shape
+    d = len(lead)
+    packed = unpack_mxfp4_words(words)  # [..., nb, kb, 512] bytes in word-value order
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    h, g, q, c, jj, t, u = _MMA_ROW_K
+    codes = codes.reshape(*lead, nb, kb, g, c, q, jj, t, h, u)
+    # [..., b, kb, g, c, q, jj, t, h, u] -> [..., b, h, g, kb, q, c, jj, t, u]
+    order = [*range(d), d, d + 7, d + 2, d + 1, d + 4, d + 3, d + 5, d + 6, d + 8]
+    codes = codes.permute(order).reshape(*lead, nb * MMA_ROWS, kb * MMA_K // 2, 2)
+    weight = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    s = (scale.to(torch.int32) - MMA_SCALE_BIAS).to(torch.uint8).reshape(*lead, nb, kb, g, h, q)
+    s = s.permute(*range(d), d, d + 3, d + 2, d + 1, d + 4).reshape(*lead, nb * MMA_ROWS, kb * 2)
+    return weight.contiguous(), s.contiguous()

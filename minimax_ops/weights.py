@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
-from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, WeightFormat, pack_mxfp4_words, quantize, to_layout,
+from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, MMA_K, MMA_ROWS, MMA_SCALE_BIAS, WeightFormat,
+                      pack_mxfp4_words, quantize, to_layout, to_mma_layout,
                       weight_layout)
 
 SHARED_SEPARATE = "separate"
@@ -100,6 +101,18 @@ def _words(weight, scale):
     return weight, scale
 
 
+def _mma(weight, scale):
+    """An MXFP4 expert matrix or table in ``mxfp4_mma`` (the one-to-8-token expert kernels'
+    layout) where it fits: K a multiple of 128, N of 16, scales at most 128; else as words."""
+    layout = weight_layout(weight, scale, weight.dim())
+    if layout.name != "mxfp4":
+        return _words(weight, scale)
+    n, k = weight.shape[-2], weight.shape[-1] * 2
+    if n % MMA_ROWS or k % (2 * MMA_K) or int(scale.max()) > 254 - MMA_SCALE_BIAS:
+        return _words(weight, scale)
+    return to_mma_layout(weight, scale)
+
+
 def _tiled(weight, scale, tiles_of, rank):
     code = _tile_code(weight, scale, rank)
     tiles = None if code is None else tiles_of(code)
@@ -108,12 +121,21 @@ def _tiled(weight, scale, tiles_of, rank):
     return to_layout(weight, scale, tiles, rank)
 
 
-def to_kernel_layout(w: LayerWeights, tiled: bool = False) -> LayerWeights:
+def mma_layout_default() -> bool:
+    """Whether to_kernel_layout lays MXFP4 experts out as ``mxfp4_mma`` by default: where its
+    inline-PTX kernels run (NVIDIA sm_90+; elsewhere they fall back to a slow emulation)."""
+    return (torch.cuda.is_available() and torch.version.hip is None
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def to_kernel_layout(w: LayerWeights, tiled: bool = False, mma: bool | None = None) -> LayerWeights:
     """The layer's weights re-laid once, at load time, for the kernels (formats.LAYOUTS): MXFP4 as
-    pre-placed words; with ``tiled`` every weight in tiles (tile sizes from kernels/tiles.py): qkv
-    and o_proj as GEMV tiles, expert tables, the shared expert and the dense MLP as expert tiles.
-    BENCHMARKS.md has both measured; words is the default. Weights no tile fits, or already
-    re-laid, stay as they are. The reference reads every layout (formats.to_canonical)."""
+    pre-placed words, and a sparse MoE layer's MXFP4 experts (routed table and shared expert) as
+    ``mxfp4_mma`` where it fits (``mma``; default: where its PTX kernels run, mma_layout_default);
+    with ``tiled`` every weight in tiles (tile sizes from kernels/tiles.py) instead: qkv and o_proj
+    as GEMV tiles, expert tables, the shared expert and the dense MLP as expert tiles.
+    BENCHMARKS.md has the layouts measured. Weights no layout fits, or already re-laid, stay as they
+    are. The reference reads every layout (formats.to_canonical)."""
     from .kernels.tiles import expert_layout_tiles, linear_layout_tiles
 
     def linear(weight, scale):
@@ -123,6 +145,10 @@ def to_kernel_layout(w: LayerWeights, tiled: bool = False) -> LayerWeights:
         return _tiled(weight, scale, lambda code: linear_layout_tiles(code, n, k), 2)
 
     def mlp(w13, s13, w2, s2, rank):
+        if mma and not tiled:
+            w13k, s13k, w2k, s2k = (*_mma(w13, s13), *_mma(w2, s2))
+            if (w13k.dim() == w13.dim()) == (w2k.dim() == w2.dim()):  # both or neither re-laid
+                return w13k, s13k, w2k, s2k
         if not tiled:
             return (*_words(w13, s13), *_words(w2, s2))
         hidden = w2.shape[-2]
@@ -135,6 +161,9 @@ def to_kernel_layout(w: LayerWeights, tiled: bool = False) -> LayerWeights:
 
     qkv, qkv_s = linear(w.qkv, w.qkv_scale)
     o, o_s = linear(w.o_proj, w.o_proj_scale)
+    # MXFP4 experts of sparse MoE layers as mxfp4_mma (the dense MLP runs through mx_linear, which
+    # reads row layouts only)
+    mma = (mma_layout_default() if mma is None else mma) and w.kind == SPARSE_MOE
     w13, s13, w2, s2 = mlp(w.w13, w.w13_scale, w.w2, w.w2_scale, 3 if w.kind == SPARSE_MOE else 2)
     out = dataclasses.replace(w, qkv=qkv, qkv_scale=qkv_s, o_proj=o, o_proj_scale=o_s, w13=w13, w13_scale=s13,
                               w2=w2, w2_scale=s2)
@@ -204,7 +233,7 @@ def random_model_weights(config: MiniMaxM3Config, *, generator: torch.Generator 
     return ModelWeights(embed.to(device), layers, _norm(hid, generator).to(device), lm_head.to(device))
 
 
-def model_to_kernel_layout(weights: ModelWeights, tiled: bool = False) -> ModelWeights:
+def model_to_kernel_layout(weights: ModelWeights, tiled: bool = False, mma: bool | None = None) -> ModelWeights:
     """Every decoder layer's weights through ``to_kernel_layout`` (embedding and head stay as they are)."""
-    return ModelWeights(weights.embed, [to_kernel_layout(w, tiled) for w in weights.layers], weights.final_norm,
+    return ModelWeights(weights.embed, [to_kernel_layout(w, tiled, mma) for w in weights.layers], weights.final_norm,
                         weights.lm_head)

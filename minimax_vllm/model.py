@@ -36,6 +36,7 @@ from minimax_ops.loader import kv_scales, text_model_tensors, weights_from_tenso
 from minimax_ops.log import log_once
 from minimax_ops.sharding import local_config
 from minimax_ops.step_context import use_step
+from minimax_ops.weights import model_to_kernel_layout
 
 from .attention import MiniMaxM3CacheLayer, idle_step, step_from_vllm
 from .compiled import MiniMaxM3VllmModel, cache_dtype
@@ -109,6 +110,8 @@ class MiniMaxM3ForVllm(nn.Module):
                                              tp_rank=get_tensor_model_parallel_rank() if self.tp_size > 1 else 0,
                                              tp_size=self.tp_size,
                                              layers=self.layer_range)
+        # re-laid once for the kernels (MXFP4 words; mxfp4_mma experts where its PTX kernels run)
+        model_weights = model_to_kernel_layout(model_weights)
         with set_current_vllm_config(self.vllm_config):
             self.text = MiniMaxM3VllmModel(vllm_config=self.vllm_config, config=self.config, weights=model_weights,
                                            layers=self.layer_range)

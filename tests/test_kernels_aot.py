@@ -126,3 +126,45 @@ def test_spec_targets_restrict_where_a_spec_compiles():
     assert [spec_wants(spec, t) for t in TARGETS] == [t[0] == "cuda" for t in TARGETS]
     spec.targets = ("gfx950",)
     assert [spec_wants(spec, t) for t in TARGETS] == [t[1] == "gfx950" for t in TARGETS]
+
+
+FRAGMENT_PROBE = textwrap.dedent('''
+    import json, re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from minimax_ops.kernels import aot_check, moe_mma
+
+    # Divisibility the launches guarantee (moe_mma._aligned checks strides; Triton specialises pointers).
+    SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared")
+    out = {}
+    for spec in moe_mma.aot_specs():
+        if not spec.constexprs["PTX"] or spec.constexprs["PDL"] or "h6144" not in spec.label():
+            continue
+        names = list(spec.signature)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                 if spec.signature[n].startswith("*") or n.startswith("stride") or n in SIXTEEN}
+        signature = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}
+        src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature,
+                                        constexprs=aot_check.constexpr_values(spec), attrs=attrs)
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ttgir"]
+        layouts = dict(re.findall(r"(#blocked[0-9]*) = (#ttg.blocked<[^>]*>)", ttgir))
+        found = [layouts[m.group(1)] for m in re.finditer(
+            r"elementwise_inline_asm [^\\n]*mma.sync[^\\n]*-> tensor<[^,]*, (#blocked[0-9]*)>", ttgir)]
+        out[spec.label()] = found
+    print(json.dumps(out))
+''')
+
+
+def test_mma_block_product_gets_the_fragment_layout(tmp_path):
+    """The inline-PTX mma.sync of kernels/mma_decode.py is only right if Triton gives each thread one
+    row of the [DEPTH * NW * 32, 4] operand tensors (4 consecutive registers, one lane per row): the
+    layout it picks for the real-size launches, compiled as they are launched (16-byte divisibility)."""
+    (tmp_path / "probe.py").write_text(FRAGMENT_PROBE)
+    proc = _run([str(tmp_path / "probe.py")], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out and all(out.values()), out
+    for label, layouts in out.items():
+        for layout in layouts:
+            assert "sizePerThread = [1, 4]" in layout and "threadsPerWarp = [32, 1]" in layout, (label, layout)

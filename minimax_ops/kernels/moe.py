@@ -18,7 +18,8 @@ moe_experts streams each *distinct* chosen expert's weights once per step, with 
 Splitting H / I spreads the few experts of a small step over every SM without shrinking the
 weight tiles (small tiles cost more instructions per weight value). A shared expert given
 separately in another format than the routed table runs through the same kernels in SHARED_ONLY
-mode (one slot, every token). The weight decode and K loop are mx_decode's.
+mode (one slot, every token). The weight decode and K loop are mx_decode's; tables in the
+``mxfp4_mma`` layout run moe_mma.py's kernels in place of w13 / w2 (same grid, buffers and combine).
 """
 
 from __future__ import annotations
@@ -30,101 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8
 from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight,
                         gdc_launch_dependents, gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
+from .expert_slots import slot_weights, swiglu_oai, token_columns
+from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import COMBINE_BLOCK, EXPERT_FORMATS, TOKEN_BLOCK, ExpertTiles, expert_tiles, fit_chunks, num_sms
-
-PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
-
-
-@triton.jit
-def _slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
-                 SHARED_SLOT: tl.constexpr):
-    """The slot-th smallest routed expert id present in ids[0:n_pairs]; with SHARED_SLOT the slot
-    right after the last present one is the shared expert NUM_ROUTED; -1 for an empty slot."""
-    experts = tl.arange(0, E_POW2)
-    present = tl.zeros([E_POW2], dtype=tl.int32)
-    for p0 in range(0, n_pairs, PAIR_BLOCK):
-        offs = p0 + tl.arange(0, PAIR_BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
-        present = tl.maximum(present, tl.max((ids[None, :] == experts[:, None]).to(tl.int32), axis=1))
-    present = tl.where(experts < NUM_ROUTED, present, 0)
-    rank = tl.cumsum(present, axis=0) - 1
-    expert = tl.max(tl.where((present > 0) & (rank == slot), experts, -1), axis=0)
-    if SHARED_SLOT:
-        expert = tl.where(slot == tl.sum(present, axis=0), NUM_ROUTED, expert)
-    return expert
-
-
-@triton.jit
-def _token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
-                   K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, SHARED_ONLY: tl.constexpr):
-    """Tokens m0..m0+BLOCK_M: (token index, the top-k column that chose `expert`, -1 if none).
-    The shared expert (NUM_ROUTED, or every token with SHARED_ONLY) has column TOPK."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    valid = offs_m < n_tokens
-    col = tl.where(valid, TOPK, -1)
-    if not SHARED_ONLY:
-        cols = tl.arange(0, K_POW2)
-        ids = tl.load(ids_ptr + offs_m[:, None] * TOPK + cols[None, :],
-                      mask=valid[:, None] & (cols[None, :] < TOPK), other=-1)
-        routed_col = tl.max(tl.where(ids == expert, cols[None, :], -1), axis=1)
-        col = tl.where(expert == NUM_ROUTED, col, routed_col)
-    return offs_m, col
-
-
-@triton.jit
-def _slot_weights(ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared,
-                  stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
-                  stride_wt, stride_st, stride_swt, stride_sst,
-                  NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                  SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr):
-    """(expert, weight base, scale base, weight row stride, scale row stride, weight tile-row
-    stride, scale tile-row stride, intermediate size) of this program's slot; expert -1 for an
-    empty slot. A separate shared expert (SHARED_SEPARATE) reads its own tensors; SHARED_ONLY
-    launches have one slot whose 'table' is that expert. Row strides are inside a tile for tiled
-    layouts (whose tile-row strides the row layouts do not use)."""
-    slot = tl.program_id(0)
-    if SHARED_ONLY:
-        expert = slot
-    else:
-        expert = _slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED, E_POW2, SHARED_SLOT)
-    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
-    s_base = s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se
-    row_w = stride_wn
-    row_s = stride_sn
-    tile_w = stride_wt
-    tile_s = stride_st
-    inter_e = inter
-    if SHARED_SEPARATE:
-        shared = expert == NUM_ROUTED
-        w_base = tl.where(shared, sw_ptr, w_base)
-        s_base = tl.where(shared, ss_ptr, s_base)
-        row_w = tl.where(shared, stride_swn, row_w)
-        row_s = tl.where(shared, stride_ssn, row_s)
-        tile_w = tl.where(shared, stride_swt, tile_w)
-        tile_s = tl.where(shared, stride_sst, tile_s)
-        inter_e = tl.where(shared, inter_shared, inter_e)
-    return expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e
-
-
-@triton.jit
-def _swiglu_oai(gate, up, alpha, limit):
-    g = tl.minimum(gate, limit)
-    u = tl.minimum(tl.maximum(up, -limit), limit)
-    return g * tl.sigmoid(alpha * g) * (u + 1.0)
-
 
 @triton.jit
 def _store_activation(acc, a_ptr, offs_m, col, chosen, offs_i, inter_e, stride_am, stride_acol, alpha, limit,
                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
     """acc [BLOCK_M, 2*BLOCK_I] (gate i at 2i, up i at 2i+1) -> SwiGLU-OAI -> bf16 a rows."""
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_I, 2]))
-    a = _swiglu_oai(gate, up, alpha, limit)
+    a = swiglu_oai(gate, up, alpha, limit)
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + col[:, None] * stride_acol + offs_i[None, :]
     tl.store(a_ptrs, a.to(a_ptr.dtype.element_ty), mask=chosen[:, None] & (offs_i[None, :] < inter_e))
 
@@ -149,7 +71,7 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = _slot_weights(
+    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se,
         stride_sn, stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, E_POW2,
         SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
@@ -171,7 +93,7 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         n_iters = tl.minimum(ips, h_iters - it_begin)
         part_cols = tl.program_id(1) * 2 * BLOCK_I + r
         for m0 in range(0, n_tokens, BLOCK_M):
-            offs_m, col = _token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2, BLOCK_M,
+            offs_m, col = token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2, BLOCK_M,
                                          SHARED_ONLY)
             chosen = col >= 0
             if tl.max(chosen.to(tl.int32), axis=0) > 0:
@@ -189,7 +111,7 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
             # The last of the tile's SPLIT programs sums the partials in a fixed order.
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(0, n_tokens, BLOCK_M):
-                    offs_m, col = _token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2,
+                    offs_m, col = token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2,
                                                  BLOCK_M, SHARED_ONLY)
                     chosen = col >= 0
                     if tl.max(chosen.to(tl.int32), axis=0) > 0:
@@ -216,7 +138,7 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
     (fp32) for the tokens that chose the slot's expert; every split stores (zeros past its I).
     PDL: the ids are two kernels old (complete), so the program finds its expert, asks L2 for the
     start of its tiled weight slice, and only then waits for w13's activations."""
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = _slot_weights(
+    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se,
         stride_sn, stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, E_POW2,
         SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
@@ -242,7 +164,7 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         gdc_launch_dependents()
     if expert >= 0:
         for m0 in range(0, n_tokens, BLOCK_M):
-            offs_m, col = _token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2, BLOCK_M,
+            offs_m, col = token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED, TOPK, K_POW2, BLOCK_M,
                                          SHARED_ONLY)
             chosen = col >= 0
             if tl.max(chosen.to(tl.int32), axis=0) > 0:
@@ -296,8 +218,9 @@ class _Table:
 
 
 def _expert_table(name: str, w: torch.Tensor, scale: torch.Tensor | None, experts: int | None, rows: int | None,
-                  k: int) -> _Table:
-    if w.dim() in (2, 4):
+                  k: int, single: bool = False) -> _Table:
+    """single: one expert's matrices (the separate shared expert), made a table of one."""
+    if single:
         w = w.unsqueeze(0)
         scale = None if scale is None else scale.unsqueeze(0)
     lw = check_weight(name, w, scale, None, w.device, rank=3)
@@ -340,6 +263,10 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
                     shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl):
+    if w13.fmt == FMT_MXFP4_MMA:
+        return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
+                                  shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
+                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -407,6 +334,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         raise ValueError(f"w13: expected 2*I rows (gate then up), got {two_inter}")
     inter = two_inter // 2
     t2_w = _expert_table("w2", w2, w2_scale, experts, hidden, inter)
+    if (t13_w.fmt == FMT_MXFP4_MMA) != (t2_w.fmt == FMT_MXFP4_MMA):
+        raise ValueError("w13 / w2: expected both or neither in the mxfp4_mma layout")
     separate = shared_w13 is not None
     if experts not in (num_routed_experts, num_routed_experts + 1) or (separate and experts != num_routed_experts):
         raise ValueError(f"w13: expected {num_routed_experts} experts (+1 if the shared expert is in the table "
@@ -416,11 +345,11 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     fused = experts == num_routed_experts + 1
     inter_shared = inter
     if separate:
-        s13 = _expert_table("shared_w13", shared_w13, shared_w13_scale, 1, None, hidden)
+        s13 = _expert_table("shared_w13", shared_w13, shared_w13_scale, 1, None, hidden, single=True)
         if s13.rows % 2:
             raise ValueError(f"shared_w13: expected 2*Is rows, got {s13.rows}")
         inter_shared = s13.rows // 2
-        s2 = _expert_table("shared_w2", shared_w2, shared_w2_scale, 1, hidden, inter_shared)
+        s2 = _expert_table("shared_w2", shared_w2, shared_w2_scale, 1, hidden, inter_shared, single=True)
     out = torch.empty(n, hidden, dtype=torch.bfloat16, device=h.device)
     if n == 0:
         return out
@@ -439,7 +368,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     t13, t2 = _with_tiles(t13, t13_w), _with_tiles(t2, t2_w)
     t13 = dataclasses.replace(t13, k_chunks=fit_chunks(hidden, t13.block_k, t13.k_chunks))
     t2 = dataclasses.replace(t2, k_chunks=fit_chunks(inter, t2.block_k, t2.k_chunks))
-    if merge and (inter_shared % (t2.block_k * t2.k_chunks) or inter_shared % t13.block_n):
+    mma = t2_w.fmt == FMT_MXFP4_MMA  # each split of the merged shared expert needs whole load steps
+    if merge and (inter_shared % (t2.block_k * t2.k_chunks * (t2.split if mma else 1)) or inter_shared % t13.block_n):
         merge, slots, inter_max = False, routed_slots + int(fused), inter
     has_shared = fused or separate
     y = torch.empty(t2.split, n, top_k + int(has_shared), hidden, dtype=torch.float32, device=h.device)

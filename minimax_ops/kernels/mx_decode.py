@@ -382,7 +382,7 @@ def check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k:
     if kk % MX_BLOCK:
         raise ValueError(f"{name}: K = {kk} must be a multiple of {MX_BLOCK}")
     tiles = tile_shape(weight, layout)
-    if scale is not None:
+    if scale is not None and not layout.mma:  # (weight_layout checked mxfp4_mma scales)
         want = (*weight.shape[:-1], (tiles[1] if tiles else kk) // MX_BLOCK)
         if tuple(scale.shape) != want:
             raise ValueError(f"{name}_scale: expected shape {want}, got {tuple(scale.shape)}")
@@ -390,6 +390,8 @@ def check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k:
             raise ValueError(f"{name}_scale: the last dimension must be contiguous, got strides {tuple(scale.stride())}")
         if layout.tiled and not scale.is_contiguous():
             raise ValueError(f"{name}_scale: tiled scales must be contiguous, got strides {tuple(scale.stride())}")
+    if layout.mma and not (weight.is_contiguous() and scale.is_contiguous()):
+        raise ValueError(f"{name}/{name}_scale: mxfp4_mma weights and scales must be contiguous")
     if layout.tiled and not weight.is_contiguous():
         raise ValueError(f"{name}: tiled weights must be contiguous, got strides {tuple(weight.stride())}")
     if weight.device != device or (scale is not None and scale.device != device):

@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8, MMA_K
 
 # The one-token CUDA-core path (GemvConfig.fma); MINIMAX_OPS_NO_FMA=1 keeps the MMA path everywhere.
 FMA_ENABLED = os.environ.get("MINIMAX_OPS_NO_FMA") != "1"
@@ -137,7 +137,9 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
                  can_split: bool = True, n_tokens: int = 16) -> ExpertTiles:
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
-    A one-token step takes the FMA path's tiles."""
+    A one-token step takes the FMA path's tiles; ``mxfp4_mma`` tables take ``mma_expert_tiles``."""
+    if fmt == FMT_MXFP4_MMA:
+        return mma_expert_tiles(k, w13, can_split)
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -154,6 +156,25 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
         target = _EXPERT_MIN_PROGRAMS[0 if w13 else 1] * sms
         split = next((d for d in options if tiles * d >= target), options[-1])
     return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks, fma=fma)
+
+
+# mxfp4_mma expert kernels (moe_mma.py): (row blocks per program = warps, blocks per load step, L2
+# prefetch distance in steps, K splits) per kernel (w13, w2).
+_MMA_EXPERT_TILES = ((4, 8, 2, 1), (4, 4, 2, 1))
+
+
+def mma_expert_tiles(k: int, w13: bool, can_split: bool = True) -> ExpertTiles:
+    """Tiles of an mxfp4_mma expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
+    rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
+    (shrunk to divide each split's blocks), num_stages 1 + the L2 prefetch distance."""
+    warps, depth, prefetch, split = _MMA_EXPERT_TILES[0 if w13 else 1]
+    split = split if can_split else 1
+    blocks = k // MMA_K
+    while split > 1 and blocks % split:
+        split -= 1
+    while depth > 1 and (blocks // split) % depth:
+        depth //= 2
+    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=depth)
 
 
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
@@ -188,7 +209,7 @@ def router_config(n_tokens: int, n_experts: int, hidden: int, sms: int) -> Route
     return RouterConfig(block_e, block_h, split, logits, fused_topk=n_tokens == 1)
 
 
-EXPERT_FORMATS = tuple(_EXPERT_TILES)
+EXPERT_FORMATS = tuple(_EXPERT_TILES)  # the row layouts' decode codes (mxfp4_mma has its own kernels)
 
 
 def _dividing_rows(rows: int, n: int, least: int = 16) -> int | None:

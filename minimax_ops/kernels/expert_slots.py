@@ -1,0 +1,109 @@
+"""Which expert a program of an expert kernel streams, and for which tokens: the slot -> expert
+map computed in-kernel from the step's top-k ids (no host sync), the slot's weight pointers
+(shared expert in the table or separate), the top-k column of each token, and SwiGLU-OAI. Shared by
+the row-layout kernels (moe.py) and the mxfp4_mma ones (moe_mma.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
+
+
+@triton.jit
+def slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
+                 SHARED_SLOT: tl.constexpr):
+    """The slot-th smallest routed expert id present in ids[0:n_pairs]; with SHARED_SLOT the slot
+    right after the last present one is the shared expert NUM_ROUTED; -1 for an empty slot."""
+    experts = tl.arange(0, E_POW2)
+    present = tl.zeros([E_POW2], dtype=tl.int32)
+    for p0 in range(0, n_pairs, PAIR_BLOCK):
+        offs = p0 + tl.arange(0, PAIR_BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
+        present = tl.maximum(present, tl.max((ids[None, :] == experts[:, None]).to(tl.int32), axis=1))
+    present = tl.where(experts < NUM_ROUTED, present, 0)
+    rank = tl.cumsum(present, axis=0) - 1
+    expert = tl.max(tl.where((present > 0) & (rank == slot), experts, -1), axis=0)
+    if SHARED_SLOT:
+        expert = tl.where(slot == tl.sum(present, axis=0), NUM_ROUTED, expert)
+    return expert
+
+
+@triton.jit
+def token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+                   K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, SHARED_ONLY: tl.constexpr):
+    """Tokens m0..m0+BLOCK_M: (token index, the top-k column that chose `expert`, -1 if none).
+    The shared expert (NUM_ROUTED, or every token with SHARED_ONLY) has column TOPK."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    valid = offs_m < n_tokens
+    col = tl.where(valid, TOPK, -1)
+    if not SHARED_ONLY:
+        cols = tl.arange(0, K_POW2)
+        ids = tl.load(ids_ptr + offs_m[:, None] * TOPK + cols[None, :],
+                      mask=valid[:, None] & (cols[None, :] < TOPK), other=-1)
+        routed_col = tl.max(tl.where(ids == expert, cols[None, :], -1), axis=1)
+        col = tl.where(expert == NUM_ROUTED, col, routed_col)
+    return offs_m, col
+
+
+@triton.jit
+def slot_weights(ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared,
+                  stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
+                  stride_wt, stride_st, stride_swt, stride_sst,
+                  NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                  SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr):
+    """(expert, weight base, scale base, weight row stride, scale row stride, weight tile-row
+    stride, scale tile-row stride, intermediate size) of this program's slot; expert -1 for an
+    empty slot. A separate shared expert (SHARED_SEPARATE) reads its own tensors; SHARED_ONLY
+    launches have one slot whose 'table' is that expert. Row strides are inside a tile for tiled
+    layouts (whose tile-row strides the row layouts do not use)."""
+    slot = tl.program_id(0)
+    if SHARED_ONLY:
+        expert = slot
+    else:
+        expert = slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED, E_POW2, SHARED_SLOT)
+    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    s_base = s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se
+    row_w = stride_wn
+    row_s = stride_sn
+    tile_w = stride_wt
+    tile_s = stride_st
+    inter_e = inter
+    if SHARED_SEPARATE:
+        shared = expert == NUM_ROUTED
+        w_base = tl.where(shared, sw_ptr, w_base)
+        s_base = tl.where(shared, ss_ptr, s_base)
+        row_w = tl.where(shared, stride_swn, row_w)
+        row_s = tl.where(shared, stride_ssn, row_s)
+        tile_w = tl.where(shared, stride_swt, tile_w)
+        tile_s = tl.where(shared, stride_sst, tile_s)
+        inter_e = tl.where(shared, inter_shared, inter_e)
+    return expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e
+
+
+@triton.jit
+def swiglu_oai(gate, up, alpha, limit):
+    g = tl.minimum(gate, limit)
+    u = tl.minimum(tl.maximum(up, -limit), limit)
+    return g * tl.sigmoid(alpha * g) * (u + 1.0)
+
+
+@triton.jit
+def columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+               SHARED_ONLY: tl.constexpr):
+    """token_columns for a 2-D tensor of token indices: the top-k column that chose `expert`
+    (TOPK for the shared expert), -1 where the token chose it not or does not exist."""
+    valid = tok < n_tokens
+    col = tl.where(valid, TOPK, -1)
+    if not SHARED_ONLY:
+        k = tl.arange(0, K_POW2)[None, None, :]
+        ids = tl.load(ids_ptr + tok[:, :, None] * TOPK + k, mask=valid[:, :, None] & (k < TOPK), other=-1)
+        routed = tl.max(tl.where(ids == expert, k, -1), axis=2)
+        col = tl.where(expert == NUM_ROUTED, col, routed)
+    return col
+
+
+def aot_specs() -> list:
+    """None of its own: these are helpers, compiled (and covered) through the kernels that call them."""
+    return []
