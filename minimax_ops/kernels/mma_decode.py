@@ -4,14 +4,14 @@ operand registers (formats.py documents the layout).
 A block is 16 weight rows x 64 K values = 128 int32 words + 32 scale bytes; one warp streams one
 block per call: lane l = 4g + c holds words 4l..4l+3, word j the 8 values the lane's A fragment of
 ``mma.sync.m16n8k16`` k-step j wants (rows g and g + 8), bits pre-placed as in ``mxfp4_words``, so
-a word decodes with 13 integer ops and 4 ``mul.bf16x2`` by the group scale into the four A
-registers: no shared-memory round trip, no re-packing of 16-bit halves. The B operand is the
+a word decodes with 11 integer instructions (SASS) and 4 ``mul.bf16x2`` by the group scale into the
+four A registers: no shared-memory round trip, no re-packing of 16-bit halves. The B operand is the
 lane's x pairs (token g, 8 consecutive K values per 32-group), so one call multiplies the block by
 up to 8 token rows. Scale bytes are stored biased (``E = s + 126``: the bf16 exponent that turns
 the decode's v * 2^-126 into v * 2^(s - 127)).
 
-Every tensor here is in *fragment order*: [NW * 32, 4], row r the lane r % 32 of warp r // 32,
-column e its register e. The loads are contiguous along the 4 columns (128-bit words, 32-bit
+Every tensor here is in *fragment order*: [DEPTH * NW * 32, 4], row d * NW * 32 + r block d of
+lane r % 32 of warp r // 32, column e its register e. The loads are contiguous along the 4 columns (128-bit words, 32-bit
 scale bytes), so Triton gives each thread one row: the inline PTX relies on that, and nothing
 after it reshapes or reduces across rows (which could make Triton pick another layout); the GPU
 tests check the result against the reference. The accumulator's register e of lane
@@ -26,12 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BLOCK_ROWS = 16
-BLOCK_K = 64
-BLOCK_WORDS = 128  # int32 words of one 16 x 64 block
-BLOCK_SCALES = 32  # scale bytes of one block: [g][(row g, group 0), (g, 1), (g + 8, 0), (g + 8, 1)]
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
-SCALE_BIAS = 126  # stored scale byte = E8M0 scale + SCALE_BIAS (at most 254)
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
 # group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 (= $17 = $18 = $19)
@@ -118,7 +113,7 @@ def _emulate(acc, w, x0, x1, s, NW: tl.constexpr):
     shape: tl.constexpr = [NW, 8, 4, 4]
     w0, w1, w2, w3 = _split4(tl.reshape(w, shape), NW)
     byte = (tl.reshape(s, shape) >> (8 * tl.arange(0, 4)[None, None, None, :])) & 255  # column e: byte e
-    # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - SCALE_BIAS
+    # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS (126)
     sc = tl.max((((byte - 126) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, 4]: equal over c
     sc0, sc1 = tl.split(tl.reshape(sc, [NW, 8, 2, 2]))  # byte b = 2h + q; split on q
     s_g0, s_h0 = tl.split(sc0)  # group 0: rows g, g + 8

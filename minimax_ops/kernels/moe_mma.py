@@ -1,10 +1,11 @@
 """The routed + shared experts of a MoE step for expert tables in the ``mxfp4_mma`` layout: the
-same job, grid and buffers as moe.py's w13 / w2 kernels (whose wrapper launches these), with the
+same job, slots and buffers as moe.py's w13 / w2 kernels (whose wrapper launches these), with the
 weight product of mma_decode.block_stream (MXFP4 decoded into mma.sync operand registers).
 
-- ``_mma_w13_kernel`` (slot, group of NW gate blocks): warp w streams gate row block i and up row
-  block I/16 + i (16 rows each) over all of H for up to 8 tokens at a time, then SwiGLU-OAI ->
-  bf16 a[token, top-k column, i].
+- ``_mma_w13_kernel`` (slot, group of NW gate blocks, H split): warp w streams gate row block i and
+  up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
+  SwiGLU-OAI -> bf16 a[token, top-k column, i] (split: fp32 partials, the last split to finish sums
+  them in order).
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
 Tokens go 8 per pass (the mma's N); a pass whose 8 tokens did not choose the slot's expert is
