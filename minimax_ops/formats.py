@@ -349,6 +349,14 @@ def to_canonical(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) ->
 # mxfp4_mma: value (row 16b + 8h + g, K 64kb + 32q + 8c + 4jj + 2t + u) sits at block (b, kb), word
 # 4(4g + c) + 2q + jj, value 4t + 2h + u of that word; its scale at byte 4g + 2h + q.
 _MMA_ROW_K = (2, 8, 2, 4, 2, 2, 2)  # the axes (h, g) of a row block and (q, c, jj, t, u) of a K block
+# [b, h, g, kb, q, c, jj, t, u] -> [b, kb, g, c, q, jj, t, h, u]: word (g, c, q, jj), value (t, h, u);
+# scales [b, h, g, kb, q] -> [b, kb, g, h, q]
+_MMA_VALUE_ORDER = (0, 3, 2, 5, 4, 6, 7, 1, 8)
+_MMA_SCALE_ORDER = (0, 3, 2, 1, 4)
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def to_mma_layout(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,11 +376,9 @@ def to_mma_layout(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     h, g, q, c, jj, t, u = _MMA_ROW_K
     codes = codes.reshape(*lead, nb, h, g, kb, q, c, jj, t, u)
     d = len(lead)
-    # -> [..., b, kb, g, c, q, jj, t, h, u]: word (g, c, q, jj), value (t, h, u)
-    order = [*range(d), d, d + 3, d + 2, d + 5, d + 4, d + 6, d + 7, d + 1, d + 8]
-    codes = codes.permute(order).reshape(*lead, nb, kb, MMA_WORDS * 8)
+    codes = codes.permute(*range(d), *(d + i for i in _MMA_VALUE_ORDER)).reshape(*lead, nb, kb, MMA_WORDS * 8)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    s = scale.reshape(*lead, nb, h, g, kb, q).permute(*range(d), d, d + 3, d + 2, d + 1, d + 4)
+    s = scale.reshape(*lead, nb, h, g, kb, q).permute(*range(d), *(d + i for i in _MMA_SCALE_ORDER))
     s = (s.reshape(*lead, nb, kb, MMA_SCALES).to(torch.int32) + MMA_SCALE_BIAS).to(torch.uint8)
     return pack_mxfp4_words(packed.contiguous()), s.contiguous()
 
@@ -384,10 +390,9 @@ def _from_mma(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
     h, g, q, c, jj, t, u = _MMA_ROW_K
     codes = codes.reshape(*lead, nb, kb, g, c, q, jj, t, h, u)
-    # [..., b, kb, g, c, q, jj, t, h, u] -> [..., b, h, g, kb, q, c, jj, t, u]
-    order = [*range(d), d, d + 7, d + 2, d + 1, d + 4, d + 3, d + 5, d + 6, d + 8]
-    codes = codes.permute(order).reshape(*lead, nb * MMA_ROWS, kb * MMA_K // 2, 2)
+    codes = codes.permute(*range(d), *(d + i for i in _inverse(_MMA_VALUE_ORDER)))
+    codes = codes.reshape(*lead, nb * MMA_ROWS, kb * MMA_K // 2, 2)
     weight = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     s = (scale.to(torch.int32) - MMA_SCALE_BIAS).to(torch.uint8).reshape(*lead, nb, kb, g, h, q)
-    s = s.permute(*range(d), d, d + 3, d + 2, d + 1, d + 4).reshape(*lead, nb * MMA_ROWS, kb * 2)
+    s = s.permute(*range(d), *(d + i for i in _inverse(_MMA_SCALE_ORDER))).reshape(*lead, nb * MMA_ROWS, kb * 2)
     return weight.contiguous(), s.contiguous()

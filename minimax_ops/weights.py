@@ -123,9 +123,10 @@ def _tiled(weight, scale, tiles_of, rank):
 
 def mma_layout_default() -> bool:
     """Whether to_kernel_layout lays MXFP4 experts out as ``mxfp4_mma`` by default: where its
-    inline-PTX kernels run (NVIDIA sm_90+; elsewhere they fall back to a slow emulation)."""
-    return (torch.cuda.is_available() and torch.version.hip is None
-            and torch.cuda.get_device_capability() >= (9, 0))
+    inline-PTX kernels run (NVIDIA sm_90+, MINIMAX_OPS_NO_PTX unset; elsewhere they would fall back
+    to a slow emulation)."""
+    from .kernels.mx_decode import use_ptx
+    return torch.cuda.is_available() and use_ptx(torch.device("cuda", torch.cuda.current_device()))
 
 
 def to_kernel_layout(w: LayerWeights, tiled: bool = False, mma: bool | None = None) -> LayerWeights:

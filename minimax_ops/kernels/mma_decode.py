@@ -26,30 +26,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .mx_decode import bf16_halves, mxfp4_word_pairs, mxfp4_words_ptx
+
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
 # group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 (= $17 = $18 = $19)
 # the lane's word of 4 biased scale bytes, $20..$23 accumulators in.
-_DECODE = """and.b32 t, {w}, 0x81C081C0;
-mul.rn.bf16x2 a0, t, {lo};
-shl.b32 t, {w}, 3;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 a1, t, {hi};
-shl.b32 t, {w}, 6;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 a2, t, {lo};
-shl.b32 t, {w}, 1;
-and.b32 t, t, 0x80008000;
-shr.b32 u, {w}, 3;
-and.b32 u, u, 0x01800180;
-or.b32 t, t, u;
-shr.b32 u, {w}, 7;
-and.b32 u, u, 0x00400040;
-or.b32 t, t, u;
-mul.rn.bf16x2 a3, t, {hi};
-mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};
-"""
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
+
+
+def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str) -> str:
+    """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma."""
+    return mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi)) + _MMA.format(b0=b0, b1=b1, c=c)
+
+
 _SCALES = """mov.b32 z, 0;
 prmt.b32 s0, $16, z, 0x4040;
 shl.b32 s0, s0, 7;
@@ -65,26 +56,17 @@ _ACC = "$0, $1, $2, $3"
 MMA_BLOCK_PTX = tl.constexpr(
     "{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + _SCALES
     # group 0 (k-steps 0, 1): row g scale s0, row g + 8 scale s2; group 1: s1, s3
-    + _DECODE.format(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN)
-    + _DECODE.format(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC)
-    + _DECODE.format(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC)
-    + _DECODE.format(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC)
+    + _decode_mma(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN)
+    + _decode_mma(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC)
+    + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC)
+    + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC)
     + "}")
-
-
-@triton.jit
-def _bf16_pair(p):
-    """int32 holding two bf16 bit patterns -> (low, high) as fp32 (exact, subnormals included)."""
-    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _word_values(w):
     """mxfp4_words word -> its 8 e2m1 values v0 .. v7 as fp32 (pairs (v0, v1) .. (v6, v7))."""
-    p0 = w & -2118090304  # 0x81C081C0
-    p1 = (w << 3) & -2118090304
-    p2 = (w << 6) & -2118090304
-    p3 = ((w << 1) & -2147450880) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)  # 0x80008000
+    p0, p1, p2, p3 = mxfp4_word_pairs(w.to(tl.uint32, bitcast=True))
     v0, v1 = _e2m1_pair(p0)
     v2, v3 = _e2m1_pair(p1)
     v4, v5 = _e2m1_pair(p2)
@@ -94,7 +76,7 @@ def _word_values(w):
 
 @triton.jit
 def _e2m1_pair(p):
-    lo, hi = _bf16_pair(p)  # the values * 2^-126; * 2^126 is exact
+    lo, hi = bf16_halves(p, True)  # the values * 2^-126; * 2^126 is exact
     return lo * 85070591730234615865843651857942052864.0, hi * 85070591730234615865843651857942052864.0
 
 
@@ -128,8 +110,8 @@ def _emulate(acc, w, x0, x1, s, NW: tl.constexpr):
         xs = xa if j < 2 else xb
         b0 = xs[0] if j % 2 == 0 else xs[2]  # x pair for K +0, +1 (token g of the lane's row axis)
         b1 = xs[1] if j % 2 == 0 else xs[3]  # K +2, +3
-        x00, x01 = _bf16_pair(b0)
-        x10, x11 = _bf16_pair(b1)
+        x00, x01 = bf16_halves(b0.to(tl.uint32, bitcast=True), True)
+        x10, x11 = bf16_halves(b1.to(tl.uint32, bitcast=True), True)
         lo = s_g0 if j < 2 else s_g1
         hi = s_h0 if j < 2 else s_h1
         # a0 = (row g; K +0, +1) = (v0, v1), a1 = (row g + 8; +0, +1) = (v2, v3),

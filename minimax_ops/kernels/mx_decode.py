@@ -41,7 +41,7 @@ POINTER_TYPES = {FMT_BF16: "*bf16", FMT_MXFP8: "*i32", FMT_MXFP4: "*i32", FMT_MX
 
 
 @triton.jit
-def _halves(p, F32: tl.constexpr):
+def bf16_halves(p, F32: tl.constexpr):
     """uint32 holding two bf16 bit patterns -> (low, high) values; bf16, or with F32 the same
     values as fp32 (bits << 16: exact, subnormals included)."""
     if F32:
@@ -51,6 +51,28 @@ def _halves(p, F32: tl.constexpr):
         lo = p.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return lo, hi
+
+
+@triton.jit
+def mxfp4_word_pairs(w):
+    """An ``mxfp4_words`` word (uint32) -> its four bf16x2 bit patterns: pair j holds values 2j and
+    2j + 1, each e2m1 value placed as bf16 bits (c & 8) << 12 | (c & 7) << 6 = value * 2^-126."""
+    p0 = w & 0x81C081C0
+    p1 = (w << 3) & 0x81C081C0
+    p2 = (w << 6) & 0x81C081C0
+    p3 = ((w << 1) & 0x80008000) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)
+    return p0, p1, p2, p3
+
+
+def mxfp4_words_ptx(word: str, outs: tuple[str, str, str, str], scales: tuple[str, str, str, str]) -> str:
+    """PTX of mxfp4_word_pairs on register ``word``: out j = pair j times bf16x2 register scales[j]
+    (temporaries t, u must be declared by the caller)."""
+    pairs = [f"and.b32 t, {word}, 0x81C081C0;",
+             f"shl.b32 t, {word}, 3;\nand.b32 t, t, 0x81C081C0;",
+             f"shl.b32 t, {word}, 6;\nand.b32 t, t, 0x81C081C0;",
+             f"shl.b32 t, {word}, 1;\nand.b32 t, t, 0x80008000;\nshr.b32 u, {word}, 3;\nand.b32 u, u, 0x01800180;\n"
+             f"or.b32 t, t, u;\nshr.b32 u, {word}, 7;\nand.b32 u, u, 0x00400040;\nor.b32 t, t, u;"]
+    return "".join(f"{p}\nmul.rn.bf16x2 {o}, t, {sc};\n" for p, o, sc in zip(pairs, outs, scales))
 
 
 @triton.jit
@@ -69,24 +91,25 @@ def _decode_words(words, scales, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     if FMT == 1:
         # e4m3 byte b -> bf16 bits (b & 0x80) << 8 | (b & 0x7f) << 4 = value * 2^-120.
         # Pair 0 = bytes 0 (low half) and 2 (high half), pair 1 = bytes 1 and 3: offset 2h + j.
-        l0, h0 = _halves(((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000), F32)
-        l1, h1 = _halves(((w >> 4) & 0x07F007F0) | (w & 0x80008000), F32)
+        l0, h0 = bf16_halves(((w << 4) & 0x07F007F0) | ((w << 8) & 0x80008000), F32)
+        l1, h1 = bf16_halves(((w >> 4) & 0x07F007F0) | (w & 0x80008000), F32)
         v = tl.join(tl.join(l0, h0), tl.join(l1, h1))
         exp_bits = tl.minimum(s + 120, 254)  # bf16 exponent field of 2^(s - 127 + 120)
     else:
         # e2m1 nibble c -> bf16 bits (c & 8) << 12 | (c & 7) << 6 = value * 2^-126.
         if FMT == 2:  # canonical (nibble t = offset t): pair j = nibbles j and j + 4: offset 4h + j
-            l0, h0 = _halves(((w << 6) & 0x01C001C0) | ((w << 12) & 0x80008000), F32)
-            l1, h1 = _halves(((w << 2) & 0x01C001C0) | ((w << 8) & 0x80008000), F32)
-            l2, h2 = _halves(((w >> 2) & 0x01C001C0) | ((w << 4) & 0x80008000), F32)
-            l3, h3 = _halves(((w >> 6) & 0x01C001C0) | (w & 0x80008000), F32)
+            l0, h0 = bf16_halves(((w << 6) & 0x01C001C0) | ((w << 12) & 0x80008000), F32)
+            l1, h1 = bf16_halves(((w << 2) & 0x01C001C0) | ((w << 8) & 0x80008000), F32)
+            l2, h2 = bf16_halves(((w >> 2) & 0x01C001C0) | ((w << 4) & 0x80008000), F32)
+            l3, h3 = bf16_halves(((w >> 6) & 0x01C001C0) | (w & 0x80008000), F32)
             v = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
         else:  # kernel layout (_pack_mxfp4_words): pair j = offsets 2j, 2j + 1, so each bf16x2
             # register is already the (k, k+1) pair the tensor-core operand wants.
-            l0, h0 = _halves(w & 0x81C081C0, F32)
-            l1, h1 = _halves((w << 3) & 0x81C081C0, F32)
-            l2, h2 = _halves((w << 6) & 0x81C081C0, F32)
-            l3, h3 = _halves(((w << 1) & 0x80008000) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040), F32)
+            p0, p1, p2, p3 = mxfp4_word_pairs(w)
+            l0, h0 = bf16_halves(p0, F32)
+            l1, h1 = bf16_halves(p1, F32)
+            l2, h2 = bf16_halves(p2, F32)
+            l3, h3 = bf16_halves(p3, F32)
             v = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3)))
         exp_bits = tl.minimum(s + 126, 254)  # 2^(s - 127 + 126)
     if SCALED:
@@ -134,26 +157,8 @@ mul.rn.bf16x2 $2, t, $5;
 prmt.b32 t, q2, q3, 0x7632;
 mul.rn.bf16x2 $3, t, $5;
 }""")
-_PTX_MXFP4_WORDS = tl.constexpr("""{
-.reg .b32 t, u;
-and.b32 t, $4, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $5;
-shl.b32 t, $4, 3;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $5;
-shl.b32 t, $4, 6;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, $5;
-shl.b32 t, $4, 1;
-and.b32 t, t, 0x80008000;
-shr.b32 u, $4, 3;
-and.b32 u, u, 0x01800180;
-or.b32 t, t, u;
-shr.b32 u, $4, 7;
-and.b32 u, u, 0x00400040;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, $5;
-}""")
+_PTX_MXFP4_WORDS = tl.constexpr("{\n.reg .b32 t, u;\n" + mxfp4_words_ptx("$4", ("$0", "$1", "$2", "$3"),
+                                                                           ("$5",) * 4) + "}")
 
 
 @triton.jit
