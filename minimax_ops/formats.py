@@ -23,6 +23,12 @@ element format says what the values are; the layout says how they sit in memory.
   ``mxfp4_words`` bit placement, values (row g; K 32q + 8c + 4jj + 0, 1), (row g + 8; same K),
   (row g; + 2, 3), (row g + 8; + 2, 3); scale byte 4g + 2h + q of a block is row g + 8h's group q
   plus ``MMA_SCALE_BIAS`` (so E8M0 scales above 128 do not fit: ``to_mma_layout`` refuses them).
+- ``mxfp8_mma``: the same blocks for MXFP8, 1024 bytes each: float8_e4m3fn storage [..., N/16, K/64,
+  1024] (bit-placed, not values: the kernels read it as 256 int32 words), scales as in
+  ``mxfp4_mma`` biased by ``MMA8_SCALE_BIAS`` (E8M0 scales above 134 do not fit). Word
+  128q + 4(4g + c) + 2jj + h of a block holds the 4 values (row g + 8h; K 32q + 8c + 4jj + 0..3),
+  bits placed so that one mask gives values 0, 1 and two shifts and a mask values 2, 3 as bf16x2
+  pairs (``pack_mxfp8_words``); NaN codes are refused.
 The reference and ``dequantize`` read every layout (``to_canonical`` undoes the re-layout);
 weights.py re-lays a model's weights once at load time (``to_layout``).
 """
@@ -68,9 +74,13 @@ def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> WeightFor
 
 
 # Kernel decode codes (the kernels' FMT constexpr): how one storage row along K decodes.
-FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP4_MMA = 0, 1, 2, 3, 4
+FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP4_MMA, FMT_MXFP8_MMA = 0, 1, 2, 3, 4, 5
+MMA_CODES = (FMT_MXFP4_MMA, FMT_MXFP8_MMA)
 MMA_ROWS, MMA_K, MMA_WORDS, MMA_SCALES = 16, 64, 128, 32  # one mxfp4_mma block
-MMA_SCALE_BIAS = 126  # stored scale byte = E8M0 scale + bias: the bf16 exponent the decode multiplies by
+MMA8_BYTES = MMA_ROWS * MMA_K  # one mxfp8_mma block (256 words)
+# stored scale byte = E8M0 scale + bias: the bf16 exponent the decode multiplies by (e2m1 values
+# decode as v * 2^-126, e4m3 values as v * 2^-120)
+MMA_SCALE_BIAS, MMA8_SCALE_BIAS = 126, 120
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +107,9 @@ LAYOUTS = {layout.name: layout for layout in (
     WeightLayout("mxfp8_tiled", WeightFormat.MXFP8, FMT_MXFP8, torch.float8_e4m3fn, 1, tiled=True),
     WeightLayout("mxfp4_tiled", WeightFormat.MXFP4, FMT_MXFP4_WORDS, torch.int32, 8, tiled=True),
     WeightLayout("mxfp4_mma", WeightFormat.MXFP4, FMT_MXFP4_MMA, torch.int32, 8, mma=True),
+    WeightLayout("mxfp8_mma", WeightFormat.MXFP8, FMT_MXFP8_MMA, torch.float8_e4m3fn, 1, mma=True),
 )}
+_MMA_STORAGE = {torch.int32: (MMA_WORDS, "mxfp4_mma"), torch.float8_e4m3fn: (MMA8_BYTES, "mxfp8_mma")}
 CANONICAL = {WeightFormat.BF16: LAYOUTS["bf16"], WeightFormat.MXFP8: LAYOUTS["mxfp8"],
              WeightFormat.MXFP4: LAYOUTS["mxfp4"]}
 _BY_DTYPE = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "mxfp8", torch.uint8: "mxfp4", torch.int32: "mxfp4_words"}
@@ -116,12 +128,13 @@ def weight_layout(weight: torch.Tensor, scale: torch.Tensor | None, rank: int = 
         base = LAYOUTS[_BY_DTYPE[weight.dtype]]
     if weight.dim() == rank:
         return base
-    if weight.dim() == rank + 1 and weight.dtype == torch.int32 and weight.shape[-1] == MMA_WORDS:
+    if weight.dim() == rank + 1 and weight.shape[-1] == _MMA_STORAGE.get(weight.dtype, (None,))[0]:
+        mma = _MMA_STORAGE[weight.dtype][1]
         want = (*weight.shape[:-1], MMA_SCALES)
         if scale is None or tuple(scale.shape) != want:
-            raise ValueError(f"{name}_scale: expected mxfp4_mma scales of shape {want}, got "
+            raise ValueError(f"{name}_scale: expected {mma} scales of shape {want}, got "
                              f"{None if scale is None else tuple(scale.shape)}")
-        return LAYOUTS["mxfp4_mma"]
+        return LAYOUTS[mma]
     if weight.dim() == rank + 2 and weight.dtype != torch.uint8:
         layout = TILED[fmt]
         if scale is not None and (scale.dim() != weight.dim() or tuple(scale.shape[:-1]) != tuple(weight.shape[:-1])):
@@ -153,7 +166,7 @@ def tile_shape(weight: torch.Tensor, layout: WeightLayout) -> tuple[int, int] | 
 def logical_in_features(weight: torch.Tensor, rank: int | None = None) -> int:
     """K of a weight [..., N, K] in any layout (``rank``: its logical rank; storage of rank + 2 is tiled)."""
     per_unit = {torch.uint8: 2, torch.int32: 8}.get(weight.dtype, 1)
-    if rank is not None and weight.dim() == rank + 1 and weight.dtype == torch.int32:
+    if rank is not None and weight.dim() == rank + 1 and weight.dtype in _MMA_STORAGE:
         return weight.shape[-2] * MMA_K
     if rank is not None and weight.dim() == rank + 2:
         return weight.shape[-3] * weight.shape[-1] * per_unit
@@ -162,7 +175,7 @@ def logical_in_features(weight: torch.Tensor, rank: int | None = None) -> int:
 
 def logical_out_features(weight: torch.Tensor, rank: int) -> int:
     """N of a weight [..., N, K] in any layout."""
-    if weight.dim() == rank + 1 and weight.dtype == torch.int32:
+    if weight.dim() == rank + 1 and weight.dtype in _MMA_STORAGE:
         return weight.shape[-3] * MMA_ROWS
     return weight.shape[-4] * weight.shape[-2] if weight.dim() == rank + 2 else weight.shape[-2]
 
@@ -338,7 +351,7 @@ def to_canonical(weight: torch.Tensor, scale: torch.Tensor | None, rank: int) ->
     """Any layout -> the checkpoint's canonical (weight, scale) pair."""
     layout = weight_layout(weight, scale, rank)
     if layout.mma:
-        return _from_mma(weight, scale)
+        return _from_mma(weight, scale) if layout.code == FMT_MXFP4_MMA else _from_mma8(weight, scale)
     if layout.tiled:
         weight, scale = _untile(weight), None if scale is None else _untile(scale)
     if layout.code == FMT_MXFP4_WORDS:
@@ -355,32 +368,55 @@ _MMA_VALUE_ORDER = (0, 3, 2, 5, 4, 6, 7, 1, 8)
 _MMA_SCALE_ORDER = (0, 3, 2, 1, 4)
 
 
+# mxfp8_mma: value (row 16b + 8h + g, K 64kb + 32q + 8c + 4jj + v) sits at block (b, kb), word
+# 128q + 4(4g + c) + 2jj + h, value v of that word.
+_MMA8_ROW_K = (2, 8, 2, 4, 2, 4)  # (h, g) of a row block, (q, c, jj, v) of a K block
+# [b, h, g, kb, q, c, jj, v] -> [b, kb, q, g, c, jj, h, v]
+_MMA8_VALUE_ORDER = (0, 3, 4, 2, 5, 6, 1, 7)
+
+
 def _inverse(order: tuple[int, ...]) -> list[int]:
     return sorted(range(len(order)), key=order.__getitem__)
 
 
 def to_mma_layout(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical MXFP4 [..., N, K/2] bytes + scales [..., N, K/32] -> ``mxfp4_mma``. N must be a
-    multiple of 16, K of 64, and every scale at most 128 (ValueError otherwise). Load time only."""
+    """Canonical MXFP4 [..., N, K/2] bytes or MXFP8 [..., N, K] + scales [..., N, K/32] ->
+    ``mxfp4_mma`` / ``mxfp8_mma``. N must be a multiple of 16, K of 64, every scale at most 128
+    (MXFP4) / 134 (MXFP8), and MXFP8 hold no NaN code (ValueError otherwise). Load time only."""
     layout = weight_layout(weight, scale, weight.dim())
-    if layout.name != "mxfp4":
-        raise ValueError(f"weight: expected canonical MXFP4 bytes to re-lay as mxfp4_mma, got {layout.name}")
+    if layout.name not in ("mxfp4", "mxfp8"):
+        raise ValueError(f"weight: expected canonical MXFP4 or MXFP8 to re-lay in an mma layout, got {layout.name}")
+    mma = LAYOUTS[layout.name + "_mma"]
     *lead, n, k = logical_shape(weight, layout)
     if n % MMA_ROWS or k % MMA_K:
-        raise ValueError(f"weight: mxfp4_mma needs N % {MMA_ROWS} == 0 and K % {MMA_K} == 0, got [N, K] = [{n}, {k}]")
-    if scale.numel() and int(scale.max()) > 254 - MMA_SCALE_BIAS:
-        raise ValueError(f"weight_scale: mxfp4_mma stores E8M0 scales up to {254 - MMA_SCALE_BIAS}, got "
-                         f"{int(scale.max())}")
+        raise ValueError(f"weight: {mma.name} needs N % {MMA_ROWS} == 0 and K % {MMA_K} == 0, got [N, K] = [{n}, {k}]")
+    bias = MMA_SCALE_BIAS if mma.code == FMT_MXFP4_MMA else MMA8_SCALE_BIAS
+    if scale.numel() and int(scale.max()) > 254 - bias:
+        raise ValueError(f"weight_scale: {mma.name} stores E8M0 scales up to {254 - bias}, got {int(scale.max())}")
     nb, kb = n // MMA_ROWS, k // MMA_K
+    d = len(lead)
+    s = scale.reshape(*lead, nb, 2, 8, kb, 2).permute(*range(d), *(d + i for i in _MMA_SCALE_ORDER))
+    s = (s.reshape(*lead, nb, kb, MMA_SCALES).to(torch.int32) + bias).to(torch.uint8).contiguous()
+    if mma.code == FMT_MXFP8_MMA:
+        codes = weight.view(torch.uint8)
+        if has_fp8_nan(weight):
+            raise ValueError("weight: mxfp8_mma refuses NaN codes (0x7f / 0xff)")
+        codes = codes.reshape(*lead, nb, *_MMA8_ROW_K[:2], kb, *_MMA8_ROW_K[2:])
+        codes = codes.permute(*range(d), *(d + i for i in _MMA8_VALUE_ORDER)).reshape(*lead, nb, kb, MMA8_BYTES)
+        return pack_mxfp8_words(codes.contiguous()).view(torch.float8_e4m3fn), s
     codes = torch.stack([weight & 0xF, weight >> 4], dim=-1).flatten(-2)  # [..., N, K] e2m1 codes
     h, g, q, c, jj, t, u = _MMA_ROW_K
     codes = codes.reshape(*lead, nb, h, g, kb, q, c, jj, t, u)
-    d = len(lead)
     codes = codes.permute(*range(d), *(d + i for i in _MMA_VALUE_ORDER)).reshape(*lead, nb, kb, MMA_WORDS * 8)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    s = scale.reshape(*lead, nb, h, g, kb, q).permute(*range(d), *(d + i for i in _MMA_SCALE_ORDER))
-    s = (s.reshape(*lead, nb, kb, MMA_SCALES).to(torch.int32) + MMA_SCALE_BIAS).to(torch.uint8)
-    return pack_mxfp4_words(packed.contiguous()), s.contiguous()
+    return pack_mxfp4_words(packed.contiguous()), s
+
+
+def _mma_scales_back(scale: torch.Tensor, bias: int) -> torch.Tensor:
+    *lead, nb, kb, _ = scale.shape
+    d = len(lead)
+    s = (scale.to(torch.int32) - bias).to(torch.uint8).reshape(*lead, nb, kb, 8, 2, 2)
+    return s.permute(*range(d), *(d + i for i in _inverse(_MMA_SCALE_ORDER))).reshape(*lead, nb * MMA_ROWS, kb * 2)
 
 
 def _from_mma(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,6 +429,59 @@ def _from_mma(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     codes = codes.permute(*range(d), *(d + i for i in _inverse(_MMA_VALUE_ORDER)))
     codes = codes.reshape(*lead, nb * MMA_ROWS, kb * MMA_K // 2, 2)
     weight = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
-    s = (scale.to(torch.int32) - MMA_SCALE_BIAS).to(torch.uint8).reshape(*lead, nb, kb, g, h, q)
-    s = s.permute(*range(d), *(d + i for i in _inverse(_MMA_SCALE_ORDER))).reshape(*lead, nb * MMA_ROWS, kb * 2)
-    return weight.contiguous(), s.contiguous()
+    return weight.contiguous(), _mma_scales_back(scale, MMA_SCALE_BIAS).contiguous()
+
+
+def _from_mma8(blocks: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    *lead, nb, kb, _ = blocks.shape
+    d = len(lead)
+    codes = unpack_mxfp8_words(blocks.contiguous().view(torch.int32))  # [..., nb, kb, 1024] in storage order
+    sizes = (nb, *_MMA8_ROW_K[:2], kb, *_MMA8_ROW_K[2:])  # [b, h, g, kb, q, c, jj, v]
+    codes = codes.reshape(*lead, *(sizes[i] for i in _MMA8_VALUE_ORDER))
+    codes = codes.permute(*range(d), *(d + i for i in _inverse(_MMA8_VALUE_ORDER)))
+    weight = codes.reshape(*lead, nb * MMA_ROWS, kb * MMA_K).view(torch.float8_e4m3fn)
+    return weight.contiguous(), _mma_scales_back(scale, MMA8_SCALE_BIAS).contiguous()
+
+
+def has_fp8_nan(weight: torch.Tensor) -> bool:
+    """Whether an e4m3 tensor holds a NaN code (0x7f / 0xff), a bounded number of bytes at a time."""
+    flat = weight.reshape(-1).view(torch.uint8)
+    return any(bool(((flat[i:i + 2**26] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), 2**26))
+
+
+def pack_mxfp8_words(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes [..., 4m] -> int32 words [..., m], 4 values a word: value 0 sign@15 magnitude@4..10,
+    value 1 the same + 16; value 2 sign@11, magnitude bits 0-3 @0..3 and 4-6 @12..14, value 3 the
+    same + 16. So ``w & 0x87F087F0`` is values (0, 1) and ``(w << 4) & 0x80F080F0 | (w >> 4) &
+    0x07000700`` values (2, 3), as bf16x2 pairs of v * 2^-120. A bounded number of words at a time."""
+    flat = codes.reshape(-1, 4)
+    out = torch.empty(flat.shape[0], dtype=torch.int32, device=codes.device)
+    for i in range(0, flat.shape[0], 2**24):
+        out[i:i + 2**24] = _pack_fp8_words(flat[i:i + 2**24])
+    return out.reshape(*codes.shape[:-1], codes.shape[-1] // 4)
+
+
+def _pack_fp8_words(codes: torch.Tensor) -> torch.Tensor:
+    b = codes.to(torch.int64)
+    sign, mag = b >> 7, b & 0x7F
+    w = ((mag[..., 0] << 4) | (sign[..., 0] << 15) | (mag[..., 1] << 20) | (sign[..., 1] << 31)
+         | (mag[..., 2] & 0xF) | ((mag[..., 2] >> 4) << 12) | (sign[..., 2] << 11)
+         | ((mag[..., 3] & 0xF) << 16) | ((mag[..., 3] >> 4) << 28) | (sign[..., 3] << 27))
+    return (w - ((w >> 31) << 32)).to(torch.int32)
+
+
+def unpack_mxfp8_words(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_mxfp8_words``: int32 [..., m] -> e4m3 bytes (uint8) [..., 4m]."""
+    flat = words.reshape(-1)
+    out = torch.empty(flat.numel(), 4, dtype=torch.uint8, device=words.device)
+    for i in range(0, flat.numel(), 2**24):
+        out[i:i + 2**24] = _unpack_fp8_words(flat[i:i + 2**24])
+    return out.reshape(*words.shape[:-1], words.shape[-1] * 4)
+
+
+def _unpack_fp8_words(words: torch.Tensor) -> torch.Tensor:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    mags = [(w >> 4) & 0x7F, (w >> 20) & 0x7F, (w & 0xF) | (((w >> 12) & 7) << 4),
+            ((w >> 16) & 0xF) | (((w >> 28) & 7) << 4)]
+    signs = [(w >> 15) & 1, (w >> 31) & 1, (w >> 11) & 1, (w >> 27) & 1]
+    return torch.stack([(sg << 7) | m for sg, m in zip(signs, mags)], dim=-1).to(torch.uint8)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
-from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, MMA_K, MMA_ROWS, MMA_SCALE_BIAS, WeightFormat,
+from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, MMA8_SCALE_BIAS, MMA_K, MMA_ROWS, MMA_SCALE_BIAS,
+                      WeightFormat, has_fp8_nan,
                       pack_mxfp4_words, quantize, to_layout, to_mma_layout,
                       weight_layout)
 
@@ -102,13 +103,16 @@ def _words(weight, scale):
 
 
 def _mma(weight, scale):
-    """An MXFP4 expert matrix or table in ``mxfp4_mma`` (the one-to-8-token expert kernels'
-    layout) where it fits: K a multiple of 128, N of 16, scales at most 128; else as words."""
+    """An MXFP4 / MXFP8 matrix or expert table in ``mxfp4_mma`` / ``mxfp8_mma`` (the mma.sync
+    kernels' layouts) where it fits: K a multiple of 128, N of 16, scales within the layout's
+    range, no fp8 NaN codes; else as words (MXFP4) or unchanged."""
     layout = weight_layout(weight, scale, weight.dim())
-    if layout.name != "mxfp4":
+    if layout.name not in ("mxfp4", "mxfp8"):
         return _words(weight, scale)
-    n, k = weight.shape[-2], weight.shape[-1] * 2
-    if n % MMA_ROWS or k % (2 * MMA_K) or int(scale.max()) > 254 - MMA_SCALE_BIAS:
+    n, k = weight.shape[-2], weight.shape[-1] * layout.k_per_unit
+    bias = MMA_SCALE_BIAS if layout.name == "mxfp4" else MMA8_SCALE_BIAS
+    nan = layout.name == "mxfp8" and has_fp8_nan(weight)
+    if n % MMA_ROWS or k % (2 * MMA_K) or int(scale.max()) > 254 - bias or nan:
         return _words(weight, scale)
     return to_mma_layout(weight, scale)
 
@@ -122,7 +126,7 @@ def _tiled(weight, scale, tiles_of, rank):
 
 
 def mma_layout_default() -> bool:
-    """Whether to_kernel_layout lays MXFP4 experts out as ``mxfp4_mma`` by default: where its
+    """Whether to_kernel_layout lays MX weights out in the mma layouts by default: where their
     inline-PTX kernels run (NVIDIA sm_90+, MINIMAX_OPS_NO_PTX unset; elsewhere they would fall back
     to a slow emulation)."""
     from .kernels.mx_decode import use_ptx
@@ -131,8 +135,9 @@ def mma_layout_default() -> bool:
 
 def to_kernel_layout(w: LayerWeights, tiled: bool = False, mma: bool | None = None) -> LayerWeights:
     """The layer's weights re-laid once, at load time, for the kernels (formats.LAYOUTS): MXFP4 as
-    pre-placed words, and a sparse MoE layer's MXFP4 experts (routed table and shared expert) as
-    ``mxfp4_mma`` where it fits (``mma``; default: where its PTX kernels run, mma_layout_default);
+    pre-placed words, and every MXFP4 / MXFP8 matrix and expert table (qkv, o_proj, routed table,
+    shared expert, dense MLP) as ``mxfp4_mma`` / ``mxfp8_mma`` where it fits (``mma``; default:
+    where their PTX kernels run, mma_layout_default);
     with ``tiled`` every weight in tiles (tile sizes from kernels/tiles.py) instead: qkv and o_proj
     as GEMV tiles, expert tables, the shared expert and the dense MLP as expert tiles.
     BENCHMARKS.md has the layouts measured. Weights no layout fits, or already re-laid, stay as they
@@ -141,7 +146,7 @@ def to_kernel_layout(w: LayerWeights, tiled: bool = False, mma: bool | None = No
 
     def linear(weight, scale):
         if not tiled:
-            return _words(weight, scale)
+            return _mma(weight, scale) if mma else _words(weight, scale)
         n, k = weight.shape[0], weight.shape[1] * CANONICAL[weight_layout(weight, scale).element].k_per_unit
         return _tiled(weight, scale, lambda code: linear_layout_tiles(code, n, k), 2)
 
@@ -160,11 +165,9 @@ def to_kernel_layout(w: LayerWeights, tiled: bool = False, mma: bool | None = No
             return w13, s13, w2, s2
         return (*to_layout(w13, s13, tiles[0], rank), *to_layout(w2, s2, tiles[1], rank))
 
+    mma = mma_layout_default() if mma is None else mma
     qkv, qkv_s = linear(w.qkv, w.qkv_scale)
     o, o_s = linear(w.o_proj, w.o_proj_scale)
-    # MXFP4 experts of sparse MoE layers as mxfp4_mma (the dense MLP runs through mx_linear, which
-    # reads row layouts only)
-    mma = (mma_layout_default() if mma is None else mma) and w.kind == SPARSE_MOE
     w13, s13, w2, s2 = mlp(w.w13, w.w13_scale, w.w2, w.w2_scale, 3 if w.kind == SPARSE_MOE else 2)
     out = dataclasses.replace(w, qkv=qkv, qkv_scale=qkv_s, o_proj=o, o_proj_scale=o_s, w13=w13, w13_scale=s13,
                               w2=w2, w2_scale=s2)

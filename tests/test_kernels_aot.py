@@ -132,13 +132,14 @@ FRAGMENT_PROBE = textwrap.dedent('''
     import json, re
     import triton
     from triton.backends.compiler import GPUTarget
-    from minimax_ops.kernels import aot_check, moe_mma
+    from minimax_ops.kernels import aot_check, linear_mma, moe_mma
 
-    # Divisibility the launches guarantee (moe_mma._aligned checks strides; Triton specialises pointers).
-    SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared")
+    # Divisibility the launches guarantee (mma_decode.check_aligned checks strides; Triton specialises
+    # pointers and integers divisible by 16).
+    SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared", "N")
     out = {}
-    for spec in moe_mma.aot_specs():
-        if not spec.constexprs["PTX"] or spec.constexprs["PDL"] or "h6144" not in spec.label():
+    for spec in moe_mma.aot_specs() + linear_mma.aot_specs():
+        if not spec.constexprs["PTX"] or spec.constexprs["PDL"]:
             continue
         names = list(spec.signature)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -159,7 +160,9 @@ FRAGMENT_PROBE = textwrap.dedent('''
 def test_mma_block_product_gets_the_fragment_layout(tmp_path):
     """The inline-PTX mma.sync of kernels/mma_decode.py is only right if Triton gives each thread one
     row of the [DEPTH * NW * 32, 4] operand tensors (4 consecutive registers, one lane per row): the
-    layout it picks for the real-size launches, compiled as they are launched (16-byte divisibility)."""
+    layout it picks for every PTX launch of the specs, compiled as launched (16-byte divisibility).
+    (A scale load of one word broadcast over the 4 columns once made Triton pick a row-major
+    [1, 1] layout for the small launches.)"""
     (tmp_path / "probe.py").write_text(FRAGMENT_PROBE)
     proc = _run([str(tmp_path / "probe.py")], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""The ``mxfp4_mma`` expert layout (formats.py) and its expert kernels (kernels/moe_mma.py).
+"""The ``mxfp4_mma`` / ``mxfp8_mma`` layouts (formats.py) and their expert kernels (kernels/moe_mma.py).
 
 On CPU the kernels run under the Triton interpreter through the portable emulation of the
 inline-PTX block product; on CUDA through the PTX itself. Both are checked against the fp32
@@ -14,8 +14,9 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.config import SPARSE_MOE
-from minimax_ops.formats import (MMA_SCALE_BIAS, dequantize, logical_in_features, logical_out_features,
-                                 pack_mxfp4_words, quantize, to_canonical, to_mma_layout, unpack_e2m1, weight_layout)
+from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, logical_in_features,
+                                 logical_out_features, pack_mxfp4_words, quantize, to_canonical, to_mma_layout,
+                                 unpack_e2m1, unpack_mxfp8_words, weight_layout)
 from minimax_ops.kernels.moe import moe_experts
 from minimax_ops.kernels.tiles import mma_expert_tiles
 from minimax_ops.weights import to_kernel_layout
@@ -31,21 +32,58 @@ def _mx4(*shape, scale=0.5):
     return quantize(torch.randn(*shape) * scale, "mxfp4")
 
 
+def _mx8(*shape, scale=0.5):
+    return quantize(torch.randn(*shape) * scale, "mxfp8")
+
+
+_MX = {"mxfp4": _mx4, "mxfp8": _mx8}
+
+
 # ---- the layout --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("lead", [(), (3,)])
-def test_round_trip_and_logical_shape(lead):
+def test_round_trip_and_logical_shape(lead, fmt):
     torch.manual_seed(0)
-    w, s = _mx4(*lead, 48, 192)
+    w, s = _MX[fmt](*lead, 48, 192)
     mw, ms = to_mma_layout(w, s)
     rank = len(lead) + 2
-    assert mw.dtype == torch.int32 and mw.shape == (*lead, 3, 3, 128) and ms.shape == (*lead, 3, 3, 32)
-    assert weight_layout(mw, ms, rank).name == "mxfp4_mma"
+    dtype, last = (torch.int32, 128) if fmt == "mxfp4" else (torch.float8_e4m3fn, 1024)
+    assert mw.dtype == dtype and mw.shape == (*lead, 3, 3, last) and ms.shape == (*lead, 3, 3, 32)
+    assert weight_layout(mw, ms, rank).name == f"{fmt}_mma"
     assert logical_in_features(mw, rank) == 192 and logical_out_features(mw, rank) == 48
     back = to_canonical(mw, ms, rank)
-    assert torch.equal(back[0], w) and torch.equal(back[1], s)
+    assert torch.equal(back[0].view(torch.uint8), w.view(torch.uint8)) and torch.equal(back[1], s)
     assert torch.equal(dequantize(mw, ms, rank), dequantize(w, s))
+
+
+def test_fp8_value_positions_and_bit_decode():
+    """mxfp8_mma: value (row 16b + 8h + g, K 64kb + 32q + 8c + 4jj + v) sits in word
+    128q + 4(4g + c) + 2jj + h of block (b, kb), value v; scale byte 4g + 2h + q (+ 120). The
+    kernels' decode, done here on the integers: (w & 0x87F087F0) holds values 0, 1 and
+    ((w << 4) & 0x80F080F0) | ((w >> 4) & 0x07000700) values 2, 3, as bf16 bits of v * 2^-120."""
+    torch.manual_seed(2)
+    w, s = _mx8(32, 128)
+    mw, ms = to_mma_layout(w, s)
+    words = mw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [2, 2, 256]
+    stored = unpack_mxfp8_words(mw.view(torch.int32))  # [2, 2, 1024] bytes
+    pairs = [words & 0x87F087F0, ((words << 4) & 0x80F080F0) | ((words >> 4) & 0x07000700)]
+
+    def bf16(bits):  # 16-bit patterns -> their bf16 values * 2^120, in float64
+        return (bits.to(torch.int32) << 16).view(torch.float32).double() * 2.0 ** 120
+
+    codes = w.view(torch.uint8)
+    values = w.double()
+    for row in range(32):
+        b, h, g = row // 16, (row % 16) // 8, row % 8
+        for k in range(0, 128, 3):
+            kb, q, c, jj, v = k // 64, (k % 64) // 32, (k % 32) // 8, (k % 8) // 4, k % 4
+            word = 128 * q + 4 * (4 * g + c) + 2 * jj + h
+            assert stored[b, kb, 4 * word + v] == codes[row, k], (row, k)
+            bits = (pairs[v // 2][b, kb, word] >> (16 * (v % 2))) & 0xFFFF
+            assert bf16(bits) == values[row, k], (row, k)
+            assert ms[b, kb, 4 * g + 2 * h + q] == s[row, k // 32] + MMA8_SCALE_BIAS
 
 
 def test_value_positions_follow_the_documented_map():
@@ -82,6 +120,16 @@ def test_layout_refusals_name_the_problem():
     mw, ms = to_mma_layout(w, s)
     with pytest.raises(ValueError, match="mxfp4_mma scales of shape"):
         weight_layout(mw, ms[..., :16], 2)
+    w8, s8 = _mx8(32, 128)
+    with pytest.raises(ValueError, match="scales up to 134"):
+        to_mma_layout(w8, torch.full_like(s8, 135))
+    nan = w8.clone()
+    nan.view(torch.uint8)[3, 5] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        to_mma_layout(nan, s8)
+    mw8, ms8 = to_mma_layout(w8, s8)
+    with pytest.raises(ValueError, match="mxfp8_mma scales of shape"):
+        weight_layout(mw8, ms8[..., :16], 2)
 
 
 # ---- the expert kernels ----------------------------------------------------------------------------------
@@ -92,10 +140,11 @@ def _routing(n, device):
     return ids.to(device), (torch.rand(n, K) + 0.1).to(device)
 
 
-def _tables(device, experts=E, shared=True, inter_shared=I):
-    tabs = [_mx4(experts, 2 * I, H), _mx4(experts, H, I)]
+def _tables(device, experts=E, shared=True, inter_shared=I, fmt="mxfp4"):
+    mx = _MX[fmt]
+    tabs = [mx(experts, 2 * I, H), mx(experts, H, I)]
     if shared:
-        tabs += [_mx4(2 * inter_shared, H), _mx4(H, inter_shared)]
+        tabs += [mx(2 * inter_shared, H), mx(H, inter_shared)]
     canonical = [t.to(device) for pair in tabs for t in pair]
     mma = [t.to(device) for pair in tabs for t in to_mma_layout(*pair)]
     return canonical, mma
@@ -105,10 +154,19 @@ def _tables(device, experts=E, shared=True, inter_shared=I):
 def test_moe_experts_match_reference(n, shared, device):
     """One token, a table holding the shared expert, two token groups of 8, no shared expert, and a
     shared expert in another layout (words: its own launches next to the mma ones)."""
+    _check_moe(n, shared, device, "mxfp4")
+
+
+@pytest.mark.parametrize("n, shared", [(1, "separate"), (9, "table")])
+def test_moe_experts_mxfp8_match_reference(n, shared, device):
+    _check_moe(n, shared, device, "mxfp8")
+
+
+def _check_moe(n, shared, device, fmt):
     torch.manual_seed(n)
     h = torch.randn(n, H, device=device).bfloat16()
     ids, weights = _routing(n, device)
-    canonical, mma = _tables(device, E + (shared == "table"), shared in ("separate", "other"))
+    canonical, mma = _tables(device, E + (shared == "table"), shared in ("separate", "other"), fmt=fmt)
     if shared == "other":
         mma[4:] = [pack_mxfp4_words(canonical[4]), canonical[5], pack_mxfp4_words(canonical[6]), canonical[7]]
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
@@ -118,7 +176,11 @@ def test_moe_experts_match_reference(n, shared, device):
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 
 
-def test_moe_splits_depths_and_padding_rows(device):
+_TILE_CASES = {"mxfp4": ((1, 1, 1, 1), (2, 1, 2, 1), (4, 1, 1, 2), (1, 2, 2, 1)), "mxfp8": ((2, 1, 2, 1), (1, 2, 1, 2))}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_moe_splits_depths_and_padding_rows(device, fmt):
     """H split of w13 (partials summed by the last split), I split of w2, load depths, a shared
     expert of another size merged into the routed launches; zero-weight padding rows."""
     torch.manual_seed(7)
@@ -127,10 +189,11 @@ def test_moe_splits_depths_and_padding_rows(device):
     h[3] = 0
     ids, weights = _routing(n, device)
     weights[3:] = 0
-    canonical, mma = _tables(device, inter_shared=2 * I)
+    canonical, mma = _tables(device, inter_shared=2 * I, fmt=fmt)
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
-    base13, base2 = mma_expert_tiles(H, True), mma_expert_tiles(I, False)
-    for s13, d13, s2, d2 in ((1, 1, 1, 1), (2, 1, 2, 1), (4, 1, 1, 2), (1, 2, 2, 1)):
+    fp8 = fmt == "mxfp8"
+    base13, base2 = mma_expert_tiles(H, True, fp8=fp8), mma_expert_tiles(I, False, fp8=fp8)
+    for s13, d13, s2, d2 in _TILE_CASES[fmt]:
         t13 = dataclasses.replace(base13, split=s13, k_chunks=d13, num_warps=2)
         t2 = dataclasses.replace(base2, split=s2, k_chunks=d2, num_warps=1)
         out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
@@ -142,14 +205,15 @@ def test_moe_refuses_mixed_or_misaligned_tables(device):
     canonical, mma = _tables(device, shared=False)
     h = torch.randn(2, H, device=device).bfloat16()
     ids, weights = _routing(2, device)
-    with pytest.raises(ValueError, match="both or neither in the mxfp4_mma layout"):
+    with pytest.raises(ValueError, match="both or neither in an mma layout"):
         moe_experts(h, ids, weights, mma[0], mma[1], pack_mxfp4_words(canonical[2]), canonical[3],
                     num_routed_experts=E)
-    w2, s2 = to_mma_layout(*_mx4(E, H, 64))  # K = 64: the row-block stride is not a multiple of 16
     w13, s13 = to_mma_layout(*_mx4(E, 128, H))
-    with pytest.raises(ValueError, match="multiples of 16 elements"):
-        moe_experts(h, ids, weights, w13.to(device), s13.to(device), w2.to(device), s2.to(device),
-                    num_routed_experts=E)
+    w2, s2 = to_mma_layout(*_mx4(E, H, 64))
+    shifted = torch.empty(w2.numel() + 1, dtype=w2.dtype, device=device)[1:].view(w2.shape)  # 4 bytes off
+    shifted.copy_(w2)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        moe_experts(h, ids, weights, w13.to(device), s13.to(device), shifted, s2.to(device), num_routed_experts=E)
 
 
 def test_kernel_layout_picks_mma_for_sparse_moe_experts():
@@ -171,3 +235,20 @@ def test_kernel_layout_picks_mma_for_sparse_moe_experts():
                                  generator=torch.Generator().manual_seed(0))
     assert weight_layout(to_kernel_layout(small, mma=True).w2, small.w2_scale, 3).name == "mxfp4_words"
     assert weight_layout(to_kernel_layout(w, mma=False).w2, w.w2_scale, 3).name == "mxfp4_words"
+
+
+def test_kernel_layout_lays_mxfp8_weights_as_mma():
+    """MXFP8 qkv / o_proj / experts / shared expert as mxfp8_mma (values unchanged), bf16 untouched."""
+    from minimax_ops.config import preset
+    from minimax_ops.weights import random_layer_weights
+    cfg = preset("tiny").replace(hidden_size=H, intermediate_size=I, shared_intermediate_size=I)
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == SPARSE_MOE)
+    w = random_layer_weights(cfg, layer, linear_format="mxfp8", generator=torch.Generator().manual_seed(0))
+    k = to_kernel_layout(w, mma=True)
+    for name, rank in (("qkv", 2), ("o_proj", 2), ("w13", 3), ("w2", 3), ("shared_w13", 2), ("shared_w2", 2)):
+        weight, scale = getattr(w, name), getattr(w, f"{name}_scale")
+        if weight is None:
+            continue
+        kw, ks = getattr(k, name), getattr(k, f"{name}_scale")
+        assert weight_layout(kw, ks, rank).name == "mxfp8_mma", name
+        assert torch.equal(dequantize(kw, ks, rank), dequantize(weight, scale, rank)), name

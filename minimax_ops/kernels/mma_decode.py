@@ -1,5 +1,5 @@
-"""The ``mxfp4_mma`` weight layout's block product: MXFP4 weights decoded straight into tensor-core
-operand registers (formats.py documents the layout).
+"""The ``mxfp4_mma`` / ``mxfp8_mma`` weight layouts' block product: MX weights decoded straight into
+tensor-core operand registers (formats.py documents the layouts).
 
 A block is 16 weight rows x 64 K values = 128 int32 words + 32 scale bytes; one warp streams one
 block per call: lane l = 4g + c holds words 4l..4l+3, word j the 8 values the lane's A fragment of
@@ -17,12 +17,17 @@ after it reshapes or reduces across rows (which could make Triton pick another l
 tests check the result against the reference. The accumulator's register e of lane
 (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
 
+An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 128-bit loads): per
+k-step a word of row g and one of row g + 8, 4 values each, decoded with 5 integer instructions
+and 2 ``mul.bf16x2`` into two A registers (scale bytes biased by 120: e4m3 decodes as v * 2^-120).
+
 The interpreter and non-NVIDIA targets run ``_emulate``: the same arithmetic on the same operands,
 written with whole-tensor ops (slow, exact to fp32 rounding).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -31,8 +36,9 @@ from .mx_decode import bf16_halves, mxfp4_word_pairs, mxfp4_words_ptx
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
-# group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 (= $17 = $18 = $19)
-# the lane's word of 4 biased scale bytes, $20..$23 accumulators in.
+# group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 the lane's 4 biased
+# scale bytes (a uint8 [R, 4] operand: Triton packs a thread's 4 bytes into one register), $17..$20
+# accumulators in.
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
 
 
@@ -51,7 +57,7 @@ shl.b32 s2, s2, 7;
 prmt.b32 s3, $16, z, 0x4343;
 shl.b32 s3, s3, 7;
 """
-_ACC_IN = "$20, $21, $22, $23"
+_ACC_IN = "$17, $18, $19, $20"
 _ACC = "$0, $1, $2, $3"
 MMA_BLOCK_PTX = tl.constexpr(
     "{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + _SCALES
@@ -61,6 +67,50 @@ MMA_BLOCK_PTX = tl.constexpr(
     + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC)
     + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC)
     + "}")
+
+
+# mxfp8_mma: $4..$7 the lane's words of k-steps 0, 1 (row g, row g + 8, row g, row g + 8), $8..$11
+# of k-steps 2, 3, $12..$19 x pairs of groups 0 / 1, $20 the scale bytes, $21..$24 accumulators in.
+def _decode8(w: str, lo: str, hi: str, sc: str) -> str:
+    """One mxfp8_mma word -> bf16x2 pairs lo (values 0, 1) and hi (2, 3), times the scale pair sc."""
+    return (f"and.b32 {lo}, {w}, 0x87F087F0;\nshl.b32 t, {w}, 4;\nshr.b32 u, {w}, 4;\nand.b32 u, u, 0x07000700;\n"
+            f"lop3.b32 {hi}, t, u, m, 0xEC;\nmul.rn.bf16x2 {lo}, {lo}, {sc};\nmul.rn.bf16x2 {hi}, {hi}, {sc};\n")
+
+
+def _decode8_mma(wg: str, wh: str, lo: str, hi: str, b0: str, b1: str, c: str) -> str:
+    """One k-step: row g's word into a0 / a2, row g + 8's into a1 / a3 (scales lo / hi), then its mma."""
+    return _decode8(wg, "a0", "a2", lo) + _decode8(wh, "a1", "a3", hi) + _MMA.format(b0=b0, b1=b1, c=c)
+
+
+MMA8_BLOCK_PTX = tl.constexpr(
+    "{\n.reg .b32 t, u, m, z, s0, s1, s2, s3, a0, a1, a2, a3;\nmov.b32 m, 0x80F080F0;\n"
+    + _SCALES.replace("$16", "$20")
+    + _decode8_mma("$4", "$5", "s0", "s2", "$12", "$13", "$21, $22, $23, $24")
+    + _decode8_mma("$6", "$7", "s0", "s2", "$14", "$15", _ACC)
+    + _decode8_mma("$8", "$9", "s1", "s3", "$16", "$17", _ACC)
+    + _decode8_mma("$10", "$11", "s1", "s3", "$18", "$19", _ACC)
+    + "}")
+
+
+@triton.jit
+def _e4m3(byte):
+    """e4m3 byte (uint32, sign at bit 7) -> fp32, with integer ops only (no subnormal arithmetic)."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2^-9
+    return tl.where((byte & 128) != 0, -v, v)
+
+
+@triton.jit
+def _fp8_word_values(w):
+    """mxfp8_mma word -> its 4 e4m3 values (K + 0 .. 3) as fp32 (formats.pack_mxfp8_words)."""
+    u = w.to(tl.uint32, bitcast=True)
+    v0 = _e4m3(((u >> 4) & 127) | (((u >> 15) & 1) << 7))
+    v1 = _e4m3(((u >> 20) & 127) | (((u >> 31) & 1) << 7))
+    v2 = _e4m3((u & 15) | (((u >> 12) & 7) << 4) | (((u >> 11) & 1) << 7))
+    v3 = _e4m3(((u >> 16) & 15) | (((u >> 28) & 7) << 4) | (((u >> 27) & 1) << 7))
+    return v0, v1, v2, v3
 
 
 @triton.jit
@@ -90,13 +140,15 @@ def _split4(t, NW: tl.constexpr):
 
 
 @triton.jit
-def _emulate(acc, w, x0, x1, s, NW: tl.constexpr):
-    """MMA_BLOCK_PTX with whole-tensor ops (fragment order in and out)."""
+def _emulate(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, FP8: tl.constexpr):
+    """MMA_BLOCK_PTX / MMA8_BLOCK_PTX with whole-tensor ops (fragment order in and out)."""
     shape: tl.constexpr = [NW, 8, 4, 4]
     w0, w1, w2, w3 = _split4(tl.reshape(w, shape), NW)
-    byte = (tl.reshape(s, shape) >> (8 * tl.arange(0, 4)[None, None, None, :])) & 255  # column e: byte e
-    # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS (126)
-    sc = tl.max((((byte - 126) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, 4]: equal over c
+    h0, h1, h2, h3 = _split4(tl.reshape(w_hi, shape), NW)
+    byte = tl.reshape(s, shape).to(tl.int32)  # column e: byte 4g + e of the block
+    # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS / MMA8_SCALE_BIAS
+    BIAS: tl.constexpr = 120 if FP8 else 126
+    sc = tl.max((((byte - BIAS) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, 4]: equal over c
     sc0, sc1 = tl.split(tl.reshape(sc, [NW, 8, 2, 2]))  # byte b = 2h + q; split on q
     s_g0, s_h0 = tl.split(sc0)  # group 0: rows g, g + 8
     s_g1, s_h1 = tl.split(sc1)
@@ -105,8 +157,14 @@ def _emulate(acc, w, x0, x1, s, NW: tl.constexpr):
     xa = _split4(tl.reshape(x0, shape), NW)
     xb = _split4(tl.reshape(x1, shape), NW)
     for j in tl.static_range(4):
-        wj = w0 if j == 0 else w1 if j == 1 else w2 if j == 2 else w3
-        v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(wj)  # each [NW, 8(g), 4(c)]
+        if FP8:  # k-step j: words (row g, row g + 8) 2(j % 2), 2(j % 2) + 1 of half j // 2
+            wg = (w0 if j == 0 else w2) if j < 2 else (h0 if j == 2 else h2)
+            wh = (w1 if j == 0 else w3) if j < 2 else (h1 if j == 2 else h3)
+            v0, v1, v4, v5 = _fp8_word_values(wg)
+            v2, v3, v6, v7 = _fp8_word_values(wh)
+        else:
+            wj = w0 if j == 0 else w1 if j == 1 else w2 if j == 2 else w3
+            v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(wj)  # each [NW, 8(g), 4(c)]
         xs = xa if j < 2 else xb
         b0 = xs[0] if j % 2 == 0 else xs[2]  # x pair for K +0, +1 (token g of the lane's row axis)
         b1 = xs[1] if j % 2 == 0 else xs[3]  # K +2, +3
@@ -130,16 +188,21 @@ def _emulate(acc, w, x0, x1, s, NW: tl.constexpr):
 
 
 @triton.jit
-def mma_block(acc, w, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr):
+def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8: tl.constexpr = False):
     """acc [NW * 32, 4] fp32 += one block per warp times up to 8 token rows (fragment order, see
-    the module docstring; rows past NW * 32 are further blocks of the same lanes): w int32 words,
-    x0 / x1 int32 bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s the lane's
-    int32 word of biased scale bytes (the same in all 4 columns)."""
+    the module docstring; rows past NW * 32 are further blocks of the same lanes): w int32 words
+    (FP8: the words of k-steps 0, 1 and w_hi those of 2, 3; MXFP4 ignores w_hi), x0 / x1 int32
+    bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s the lane's 4 biased scale
+    bytes (uint8, column e byte 4g + e of the block)."""
     if PTX:
-        acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 16 + "f,f,f,f",
-                                        [w, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
+        if FP8:
+            acc = tl.inline_asm_elementwise(MMA8_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 17 + "f,f,f,f",
+                                            [w, w_hi, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 13 + "f,f,f,f",
+                                            [w, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
     else:
-        acc = _emulate(acc, w, x0, x1, s, NW)
+        acc = _emulate(acc, w, w_hi, x0, x1, s, NW, FP8)
     return acc
 
 
@@ -164,62 +227,100 @@ def _prefetch_lines(ptrs, flag):
 
 
 @triton.jit
-def _prefetch_step(w_ptrs, s_ptrs, w_lead, s_lead, step, n_steps, DEPTH: tl.constexpr):
+def prefetch_step(w_ptrs, s_ptrs, w_lead, s_lead, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr = False):
     """L2 prefetch of step ``step`` (clamped) of each warp's weight and scale streams: lanes 0, 8,
-    16, 24 of every block for the 4 lines of its words, lane 0 of every 4th block for the scales."""
+    16, 24 of every block for the 4 lines of its words (8 for FP8 blocks), lane 0 of every 4th
+    block for the scales (pointers and flags from ``stream_pointers``)."""
+    WORDS: tl.constexpr = 256 if FP8 else 128
     k = tl.minimum(step, n_steps - 1) * DEPTH
-    _prefetch_lines(w_ptrs + k * 128, w_lead)
-    _prefetch_lines(s_ptrs + k * 8, s_lead)
+    _prefetch_lines(w_ptrs + k * WORDS, w_lead)
+    if FP8:
+        _prefetch_lines(w_ptrs + k * WORDS + 128, w_lead)
+    _prefetch_lines(s_ptrs + k * 32, s_lead)
 
 
 @triton.jit
-def _load_step(w_ptrs, s_ptrs, x_ptrs, step, n_steps, DEPTH: tl.constexpr):
+def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
+               GROUPS: tl.constexpr):
     """Step ``step`` of block_stream's loads (clamped to the last step: a prefetch past the end
     re-reads it, so no load needs a mask)."""
+    WORDS: tl.constexpr = 256 if FP8 else 128
     k = tl.minimum(step, n_steps - 1) * DEPTH
-    return (tl.load(w_ptrs + k * 128), tl.load(s_ptrs + k * 8), tl.load(x_ptrs + k * 32),
-            tl.load(x_ptrs + k * 32 + 16))
+    w = tl.load(w_ptrs + k * WORDS)
+    if FP8:
+        w_hi = tl.load(w_ptrs + k * WORDS + 128)
+    else:
+        w_hi = w
+    x0 = tl.load(x_ptrs + k * 32)
+    x1 = tl.load(x_ptrs + k * 32 + 16)
+    if GROUPS == 2:
+        y0 = tl.load(y_ptrs + k * 32)
+        y1 = tl.load(y_ptrs + k * 32 + 16)
+    else:
+        y0, y1 = x0, x1
+    return w, w_hi, tl.load(s_ptrs + k * 32), x0, x1, y0, y1
 
 
 @triton.jit
-def block_stream(acc, w_rows, s_rows, x_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
-                 PTX: tl.constexpr, PREFETCH: tl.constexpr = 0):
-    """acc [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1 of each
-    warp's row block times x (fragment order; rows of depth d accumulate blocks d, d + DEPTH, ..:
-    ``fold`` sums them). n_steps >= 1.
+def stream_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr = False):
+    """The L2 prefetch pointers and lead-lane flags of block_stream's weight and scale streams
+    (one per lane row, [R, 1]: no layout conversion in the loop)."""
+    WORDS: tl.constexpr = 256 if FP8 else 128
+    d, g, c, e = fragment_index(NW, DEPTH)
+    w_pf = w_rows + kb_begin * WORDS + ((g * 4 + c) * 4 + d * WORDS)
+    s_pf = s_rows + kb_begin * 32 + d * 32
+    return w_pf, s_pf, (c == 0) & (g % 2 == 0), (c == 0) & (g == 0) & (d % 4 == 0)
+
+
+@triton.jit
+def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
+                 PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
+                 SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1):
+    """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
+    of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
+    y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
+    fragment order; rows of depth d accumulate blocks d, d + DEPTH, ..: ``fold`` sums them.
+    n_steps >= 1.
 
     w_rows [DEPTH * NW * 32, 1]: int32 pointer to each warp's row block's first word (its K blocks
-    follow each other, 128 words apart); s_rows: int32 pointer to its first scale word (8 words a
-    block); x_rows: int32 pointer to the K-block-0 pair of the lane's token row (token g of its
-    group; any readable row for tokens that take no part: their columns are never stored).
-    DEPTH blocks are loaded per step, the next step's while this one is multiplied (registers, no
-    shared memory); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is asked into L2 first, so
-    those register loads wait on L2 rather than DRAM latency."""
+    follow each other, 128 words apart; 256 for FP8 = mxfp8_mma); s_rows: uint8 pointer to its first
+    scale byte (32 a block); x_rows / y_rows: int32 pointer to the K-block-0 pair of the lane's
+    token row (token g of its group; any readable row for tokens that take no part: their columns
+    are never stored). DEPTH blocks are loaded per step, the next step's while this one is
+    multiplied (registers, no shared memory); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is
+    asked into L2 first, so those register loads wait on L2 rather than DRAM latency
+    (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``)."""
+    WORDS: tl.constexpr = 256 if FP8 else 128
     d, g, c, e = fragment_index(NW, DEPTH)
-    w_ptrs = w_rows + kb_begin * 128 + ((g * 4 + c) * 4 + d * 128 + e)
-    s_ptrs = s_rows + kb_begin * 8 + (g + d * 8 + e * 0)
+    w_ptrs = w_rows + kb_begin * WORDS + ((g * 4 + c) * 4 + d * WORDS + e)
+    s_ptrs = s_rows + kb_begin * 32 + (4 * g + d * 32 + e)  # bytes 4g .. 4g + 3: one 32-bit load
     x_ptrs = x_rows + kb_begin * 32 + (c * 4 + d * 32 + e)
-    # prefetch pointers and flags one per lane row ([R, 1]: no layout conversion in the loop)
-    w_pf = w_rows + kb_begin * 128 + ((g * 4 + c) * 4 + d * 128)
-    s_pf = s_rows + kb_begin * 8 + d * 8
-    w_lead = (c == 0) & (g % 2 == 0)
-    s_lead = (c == 0) & (g == 0) & (d % 4 == 0)
-    if PREFETCH > 0:
+    y_ptrs = y_rows + kb_begin * 32 + (c * 4 + d * 32 + e)
+    w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
+    if PREFETCH > 0 and not SKIP_PREFETCH:
         for p in tl.static_range(PREFETCH):
-            _prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH)
-    wa, sa, xa0, xa1 = _load_step(w_ptrs, s_ptrs, x_ptrs, 0, n_steps, DEPTH)
+            prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
+    wa, ha, sa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 0, n_steps, DEPTH, FP8, GROUPS)
     for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
         if PREFETCH > 0:
-            _prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + PREFETCH, n_steps, DEPTH)
-        wb, sb, xb0, xb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, 2 * it + 1, n_steps, DEPTH)
-        acc = mma_block(acc, wa, xa0, xa1, sa, NW * DEPTH, PTX)
+            prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + PREFETCH, n_steps, DEPTH, FP8)
+        wb, hb, sb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, FP8,
+                                                    GROUPS)
+        acc = mma_block(acc, wa, ha, xa0, xa1, sa, NW * DEPTH, PTX, FP8)
+        if GROUPS == 2:
+            acc2 = mma_block(acc2, wa, ha, ya0, ya1, sa, NW * DEPTH, PTX, FP8)
         if PREFETCH > 0:
-            _prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + 1 + PREFETCH, n_steps, DEPTH)
-        wa, sa, xa0, xa1 = _load_step(w_ptrs, s_ptrs, x_ptrs, 2 * it + 2, n_steps, DEPTH)
-        acc = mma_block(acc, wb, xb0, xb1, sb, NW * DEPTH, PTX)
+            prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + 1 + PREFETCH, n_steps, DEPTH, FP8)
+        wa, ha, sa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, FP8,
+                                                    GROUPS)
+        acc = mma_block(acc, wb, hb, xb0, xb1, sb, NW * DEPTH, PTX, FP8)
+        if GROUPS == 2:
+            acc2 = mma_block(acc2, wb, hb, yb0, yb1, sb, NW * DEPTH, PTX, FP8)
     if n_steps % 2:
-        acc = mma_block(acc, wa, xa0, xa1, sa, NW * DEPTH, PTX)
-    return acc
+        acc = mma_block(acc, wa, ha, xa0, xa1, sa, NW * DEPTH, PTX, FP8)
+        if GROUPS == 2:
+            acc2 = mma_block(acc2, wa, ha, ya0, ya1, sa, NW * DEPTH, PTX, FP8)
+    return acc, acc2
 
 
 @triton.jit
@@ -230,6 +331,34 @@ def fold(acc, NW: tl.constexpr, DEPTH: tl.constexpr):
     else:
         out = tl.sum(tl.reshape(acc, [DEPTH, NW * 32, 4]), axis=0)
     return out
+
+
+@triton.jit
+def warp_rows(NW: tl.constexpr, DEPTH: tl.constexpr):
+    """Warp index of each row of a fragment-order [DEPTH * NW * 32, 4] tensor, [R, 1]."""
+    return (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32
+
+
+
+def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks as int32 words and the scale bytes as they are, after checking what the kernels
+    assume of them (see check_aligned)."""
+    w = w.view(torch.int32)
+    check_aligned(name, w, s)
+    return w, s
+
+
+def check_aligned(name: str, *tensors: torch.Tensor) -> None:
+    """The fragment-order loads are 16-byte vectors only if every base is 16-byte aligned and every
+    stride the kernels take (all but the last two dimensions: within a row block and a K block the
+    layout is fixed) a multiple of 16 elements: Triton specialises on both (the kernels also assert
+    it with tl.multiple_of), and another layout would break the inline PTX."""
+    for t in tensors:
+        lead = [st for st, size in zip(t.stride()[:-2], t.shape[:-2]) if size > 1]
+        if t.data_ptr() % 16 or any(st % 16 for st in lead):
+            raise ValueError(f"{name}: the mma-layout kernels need 16-byte aligned tensors whose outer strides are "
+                             f"multiples of 16 elements, got shape {tuple(t.shape)} strides "
+                             f"{t.stride()}")
 
 
 def aot_specs() -> list:

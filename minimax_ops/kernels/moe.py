@@ -19,7 +19,7 @@ Splitting H / I spreads the few experts of a small step over every SM without sh
 weight tiles (small tiles cost more instructions per weight value). A shared expert given
 separately in another format than the routed table runs through the same kernels in SHARED_ONLY
 mode (one slot, every token). The weight decode and K loop are mx_decode's; tables in the
-``mxfp4_mma`` layout run moe_mma.py's kernels in place of w13 / w2 (same grid, buffers and combine).
+``mxfp4_mma`` / ``mxfp8_mma`` layouts run moe_mma.py's kernels in place of w13 / w2 (same grid, buffers and combine).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8, MMA_CODES
 from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight,
                         gdc_launch_dependents, gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
@@ -263,7 +263,7 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
                     shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl):
-    if w13.fmt == FMT_MXFP4_MMA:
+    if w13.fmt in MMA_CODES:
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
                                   t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
@@ -334,8 +334,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         raise ValueError(f"w13: expected 2*I rows (gate then up), got {two_inter}")
     inter = two_inter // 2
     t2_w = _expert_table("w2", w2, w2_scale, experts, hidden, inter)
-    if (t13_w.fmt == FMT_MXFP4_MMA) != (t2_w.fmt == FMT_MXFP4_MMA):
-        raise ValueError("w13 / w2: expected both or neither in the mxfp4_mma layout")
+    if t13_w.fmt != t2_w.fmt and (t13_w.fmt in MMA_CODES or t2_w.fmt in MMA_CODES):
+        raise ValueError("w13 / w2: expected both or neither in an mma layout (mxfp4_mma / mxfp8_mma), of one format")
     separate = shared_w13 is not None
     if experts not in (num_routed_experts, num_routed_experts + 1) or (separate and experts != num_routed_experts):
         raise ValueError(f"w13: expected {num_routed_experts} experts (+1 if the shared expert is in the table "
@@ -368,7 +368,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     t13, t2 = _with_tiles(t13, t13_w), _with_tiles(t2, t2_w)
     t13 = dataclasses.replace(t13, k_chunks=fit_chunks(hidden, t13.block_k, t13.k_chunks))
     t2 = dataclasses.replace(t2, k_chunks=fit_chunks(inter, t2.block_k, t2.k_chunks))
-    mma = t2_w.fmt == FMT_MXFP4_MMA  # each split of the merged shared expert needs whole load steps
+    mma = t2_w.fmt in MMA_CODES  # each split of the merged shared expert needs whole load steps
     if merge and (inter_shared % (t2.block_k * t2.k_chunks * (t2.split if mma else 1)) or inter_shared % t13.block_n):
         merge, slots, inter_max = False, routed_slots + int(fused), inter
     has_shared = fused or separate

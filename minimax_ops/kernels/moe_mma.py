@@ -1,6 +1,7 @@
-"""The routed + shared experts of a MoE step for expert tables in the ``mxfp4_mma`` layout: the
-same job, slots and buffers as moe.py's w13 / w2 kernels (whose wrapper launches these), with the
-weight product of mma_decode.block_stream (MXFP4 decoded into mma.sync operand registers).
+"""The routed + shared experts of a MoE step for expert tables in the ``mxfp4_mma`` / ``mxfp8_mma``
+layouts: the same job, slots and buffers as moe.py's w13 / w2 kernels (whose wrapper launches
+these), with the weight product of mma_decode.block_stream (MX values decoded into mma.sync
+operand registers; FP8 selects the mxfp8_mma blocks).
 
 - ``_mma_w13_kernel`` (slot, group of NW gate blocks, H split): warp w streams gate row block i and
   up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
@@ -15,22 +16,18 @@ skipped, so a routed expert at a small step streams its weights once.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import triton
 import triton.language as tl
 
+from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import columns_of, slot_weights, swiglu_oai
-from .mma_decode import TOKENS, block_stream, fold, fragment_index
+from .mma_decode import TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, warp_rows
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-
-
-@triton.jit
-def _warp_rows(NW: tl.constexpr, DEPTH: tl.constexpr):
-    """Warp index of each row of a fragment-order [DEPTH * NW * 32, 4] tensor, [R, 1]."""
-    return (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32
 
 
 @triton.jit
@@ -41,7 +38,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
-                    PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and int32 scale
     words [E, row blocks, K blocks, 128 | 8]; strides in their own units. With SPLIT > 1 the H
     splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -57,11 +54,11 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     i_blocks = inter_e // 16
     if (expert >= 0) & (tl.program_id(1) * NW < i_blocks):
         d, g, c, e = fragment_index(NW, DEPTH)
-        ib = tl.minimum(tl.program_id(1) * NW + _warp_rows(NW, DEPTH), i_blocks - 1).to(tl.int64)
+        ib = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), i_blocks - 1).to(tl.int64)
         gate_w, up_w = w_base + ib * row_w, w_base + (ib + i_blocks) * row_w
         gate_s, up_s = s_base + ib * row_s, s_base + (ib + i_blocks) * row_s
         d1, g1, c1, e1 = fragment_index(NW, 1)
-        i_out = (tl.program_id(1) * NW + _warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
+        i_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         kb_split = k_blocks // SPLIT
         kb_begin = tl.program_id(2) * kb_split
         for m0 in range(0, n_tokens, TOKENS):
@@ -69,10 +66,10 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
             if tl.max(tl.max(col_x, axis=1), axis=0) >= 0:
                 x_rows = h_ptr + tl.minimum(m0 + g, n_tokens - 1).to(tl.int64) * stride_hm
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
-                gate = fold(block_stream(zero, gate_w, gate_s, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH, PTX,
-                                         PREFETCH), NW, DEPTH)
-                up = fold(block_stream(zero, up_w, up_s, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH, PTX,
-                                       PREFETCH), NW, DEPTH)
+                gate = fold(block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW,
+                                         DEPTH, PTX, PREFETCH, FP8)[0], NW, DEPTH)
+                up = fold(block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH,
+                                       PTX, PREFETCH, FP8)[0], NW, DEPTH)
                 tok = m0 + 2 * c1 + e1 % 2
                 col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                 ok = (col >= 0) & (i_out < inter_e)
@@ -106,7 +103,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs."""
     expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
@@ -120,46 +117,25 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
     h_blocks = hidden // 16
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         d, g, c, e = fragment_index(NW, DEPTH)
-        hb = tl.minimum(tl.program_id(1) * NW + _warp_rows(NW, DEPTH), h_blocks - 1).to(tl.int64)
+        hb = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), h_blocks - 1).to(tl.int64)
         w_rows, s_rows = w_base + hb * row_w, s_base + hb * row_s
         kb_split = inter_e // 64 // SPLIT
         kb_begin = tl.program_id(2) * kb_split
         d1, g1, c1, e1 = fragment_index(NW, 1)
-        h_out = (tl.program_id(1) * NW + _warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
+        h_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         for m0 in range(0, n_tokens, TOKENS):
             col_x = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
             if tl.max(tl.max(col_x, axis=1), axis=0) >= 0:
                 x_rows = (a_ptr + tl.minimum(m0 + g, n_tokens - 1).to(tl.int64) * stride_am
                           + tl.maximum(col_x, 0) * stride_acol)  # unchosen rows: any readable row
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
-                acc = fold(block_stream(zero, w_rows, s_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH, PTX, PREFETCH),
-                           NW, DEPTH)
+                acc = fold(block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH,
+                                        PTX, PREFETCH, FP8)[0], NW, DEPTH)
                 tok = m0 + 2 * c1 + e1 % 2
                 col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                 y_ptrs = (y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol
                           + h_out)
                 tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
-
-
-def _views(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Words as is, the scale bytes as int32 words (4 per word: a lane's one load), after checking
-    what the kernels assume of them (see _aligned)."""
-    s = s.view(torch.int32)
-    _aligned(name, w, s)
-    return w, s
-
-
-def _aligned(name: str, *tensors: torch.Tensor) -> None:
-    """The fragment-order loads are 16-byte vectors only if every base is 16-byte aligned and every
-    stride the kernels take (all but the last two dimensions: within a row block and a K block the
-    layout is fixed) a multiple of 16 elements: Triton specialises on both (the kernels also assert
-    it with tl.multiple_of), and another layout would break the inline PTX."""
-    for t in tensors:
-        lead = [st for st, size in zip(t.stride()[:-2], t.shape[:-2]) if size > 1]
-        if t.data_ptr() % 16 or any(st % 16 for st in lead):
-            raise ValueError(f"{name}: the mxfp4_mma kernels need 16-byte aligned tensors whose outer strides are "
-                             f"multiples of 16 elements (K a multiple of 128), got shape {tuple(t.shape)} strides "
-                             f"{t.stride()}")
 
 
 def _prefetch(t, ptx: bool) -> int:
@@ -176,9 +152,9 @@ def _portable(t):
 
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
                        t13, t2, alpha, limit, pdl):
-    """moe.py's _launch_experts for mxfp4_mma tables: w13 / w2 are its kernel-weight records
-    (tables [E, row blocks, K blocks, 128] + scales [.., 32]); t13 / t2 ExpertTiles whose
-    num_warps is the row blocks per program and k_chunks the blocks per load step."""
+    """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
+    records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
+    ExpertTiles whose num_warps is the row blocks per program and k_chunks the blocks per load step."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -187,11 +163,11 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         t13, t2 = _portable(t13), _portable(t2)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
-                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl)
-    w, s = _views("w13", w13.w, w13.s)
-    sw, ss = _views("shared_w13", w13.sw, w13.ss)
+                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA)
+    w, s = mma_operands("w13", w13.w, w13.s)
+    sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
-    _aligned("h / the activation buffer", h32.unsqueeze(-1), a32.unsqueeze(-1))
+    check_aligned("h / the activation buffer", h32.unsqueeze(-1), a32.unsqueeze(-1))
     nw13 = t13.num_warps
     groups = triton.cdiv(inter_max // 16, nw13)
     split = t13.split
@@ -204,8 +180,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13, ptx), num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
-    w, s = _views("w2", w2.w, w2.s)
-    sw, ss = _views("shared_w2", w2.sw, w2.ss)
+    w, s = mma_operands("w2", w2.w, w2.s)
+    sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
     _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
         a32, ids, w, s, sw, ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
@@ -226,7 +202,7 @@ def aot_specs() -> list[KernelSpec]:
     """Both kernels at both sizes in every shared-expert mode with the default tiles (and w13 split
     in two): the portable decode everywhere, the inline-PTX one (with and without PDL) for CUDA."""
     from .tiles import mma_expert_tiles
-    common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i32", "sw_ptr": "*i32", "ss_ptr": "*i32",
+    common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
                   "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
     sig13 = {"h_ptr": "*i32", **common_sig, "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
@@ -235,18 +211,21 @@ def aot_specs() -> list[KernelSpec]:
     sig2 = {"a_ptr": "*i32", **common_sig, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32", "stride_acol": "i32",
             **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32"}
     specs = []
-    for hidden, inter, n_routed, top_k in AOT_SIZES:
+    for fp8, (hidden, inter, n_routed, top_k) in itertools.product((False, True), AOT_SIZES):
         modes = _MODES if hidden == AOT_SIZES[-1][0] else {"table": _MODES["table"]}
+        if fp8:  # the MXFP4 specs cover the shared-expert modes; these the fp8 decode
+            modes = {m: modes[m] for m in ("table", "merged") if m in modes}
         for mode, (shared_slot, shared_separate, shared_only) in modes.items():
             for ptx, pdl in ((False, False), (True, False), (True, True)):
-                t13, t2 = mma_expert_tiles(hidden, True), mma_expert_tiles(inter, False)
+                t13, t2 = mma_expert_tiles(hidden, True, fp8=fp8), mma_expert_tiles(inter, False, fp8=fp8)
                 if not ptx:
                     t13, t2 = _portable(t13), _portable(t2)
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
-                          "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl}
+                          "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
+                          "FP8": fp8}
                 targets = ("cuda",) if ptx else ()
-                label = f"h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
+                label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                 for split in sorted({t13.split, 2}):
                     specs.append(KernelSpec(
                         _mma_w13_kernel, sig13,

@@ -387,7 +387,7 @@ def check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k:
     if kk % MX_BLOCK:
         raise ValueError(f"{name}: K = {kk} must be a multiple of {MX_BLOCK}")
     tiles = tile_shape(weight, layout)
-    if scale is not None and not layout.mma:  # (weight_layout checked mxfp4_mma scales)
+    if scale is not None and not layout.mma:  # (weight_layout checked mma-layout scales)
         want = (*weight.shape[:-1], (tiles[1] if tiles else kk) // MX_BLOCK)
         if tuple(scale.shape) != want:
             raise ValueError(f"{name}_scale: expected shape {want}, got {tuple(scale.shape)}")
@@ -396,7 +396,7 @@ def check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, k:
         if layout.tiled and not scale.is_contiguous():
             raise ValueError(f"{name}_scale: tiled scales must be contiguous, got strides {tuple(scale.stride())}")
     if layout.mma and not (weight.is_contiguous() and scale.is_contiguous()):
-        raise ValueError(f"{name}/{name}_scale: mxfp4_mma weights and scales must be contiguous")
+        raise ValueError(f"{name}/{name}_scale: {layout.name} weights and scales must be contiguous")
     if layout.tiled and not weight.is_contiguous():
         raise ValueError(f"{name}: tiled weights must be contiguous, got strides {tuple(weight.stride())}")
     if weight.device != device or (scale is not None and scale.device != device):

@@ -20,6 +20,7 @@ from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
 from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight, gdc_launch_dependents,
                         gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
+from .linear_mma import mma_linear
 from .norm import check_rows
 from .splitk import (REDUCE_BLOCK, SPLIT_FUSED, SPLIT_NONE, SPLIT_PARTIALS, last_arrival, split_counters,
                      splitk_reduce_kernel, sum_splits)
@@ -89,7 +90,7 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     """y [M, N] = x [M, K] @ dequant(weight, scale)^T, fp32 accumulation, cast to out_dtype.
 
     (weight, scale) in any layout of formats.LAYOUTS (bf16, MXFP8, MXFP4 canonical, words or tiled;
-    a tiled weight fixes BLOCK_N and BLOCK_K). ``config`` overrides the tile heuristic (tuning,
+    a tiled weight fixes BLOCK_N and BLOCK_K; the mma layouts run linear_mma.py's kernel). ``config`` overrides the tile heuristic (tuning,
     tests). ``pdl``: launch as a programmatic dependent of the previous kernel on the stream
     (griddepcontrol; CUDA sm_90+ only, ignored elsewhere)."""
     check_rows("x", x, shape="[M, K]", dim="K")
@@ -101,6 +102,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if lw.layout.mma:
+        return mma_linear(x, weight, scale, fmt, out_dtype, pdl=pdl)
     cfg = config or gemv_config(fmt, m, n, k, num_sms(x.device))
     if lw.tiles is not None:
         cfg = dataclasses.replace(cfg, block_n=lw.tiles[0], block_k=lw.tiles[1])

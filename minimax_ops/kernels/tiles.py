@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8, MMA_K
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8, FMT_MXFP8_MMA, MMA_CODES, MMA_K
 
 # The one-token CUDA-core path (GemvConfig.fma); MINIMAX_OPS_NO_FMA=1 keeps the MMA path everywhere.
 FMA_ENABLED = os.environ.get("MINIMAX_OPS_NO_FMA") != "1"
@@ -138,8 +138,8 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
     A one-token step takes the FMA path's tiles; ``mxfp4_mma`` tables take ``mma_expert_tiles``."""
-    if fmt == FMT_MXFP4_MMA:
-        return mma_expert_tiles(k, w13, can_split)
+    if fmt in MMA_CODES:
+        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA)
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -158,16 +158,46 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks, fma=fma)
 
 
-# mxfp4_mma expert kernels (moe_mma.py): (row blocks per program = warps, blocks per load step, L2
-# prefetch distance in steps, K splits) per kernel (w13, w2).
-_MMA_EXPERT_TILES = ((4, 8, 2, 1), (4, 4, 2, 1))
+# mma-layout expert kernels (moe_mma.py): (row blocks per program = warps, blocks per load step, L2
+# prefetch distance in steps, K splits) per kernel (w13, w2), for mxfp4_mma and mxfp8_mma (whose
+# blocks are twice the bytes).
+# mxfp8_mma from the H200 sweep (BENCHMARKS.md): shallow loads, no L2 prefetch, w13 split in two.
+_MMA_EXPERT_TILES = {False: ((4, 8, 2, 1), (4, 4, 2, 1)), True: ((4, 2, 0, 2), (4, 2, 2, 1))}
+# mma-layout GEMV (linear_mma.py): (row blocks per program, blocks per load step, L2 prefetch steps);
+# K is split until the launch has about _MMA_LINEAR_WARPS_PER_SM row-block streams per SM. From the
+# H200 sweep of qkv / o_proj (mxfp8_mma): 8 row blocks, depth 2, no prefetch, ~18 streams per SM.
+_MMA_LINEAR_TILES = {False: (8, 4, 0), True: (8, 2, 0)}
+_MMA_LINEAR_WARPS_PER_SM = 18
+_MMA_LINEAR_MAX_SPLIT = 8
 
 
-def mma_expert_tiles(k: int, w13: bool, can_split: bool = True) -> ExpertTiles:
-    """Tiles of an mxfp4_mma expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
+@dataclasses.dataclass(frozen=True)
+class MmaLinearTiles:
+    num_warps: int  # row blocks (16 rows) per program, one per warp
+    depth: int  # 64-value blocks per load step
+    prefetch: int  # L2 prefetch distance in load steps (CUDA)
+    split: int  # K splits (each a whole number of load steps)
+
+
+def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
+    """Tiles of an mma-layout GEMV [N, K]: the format's row blocks per program and depth, K split
+    (into whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs."""
+    warps, depth, prefetch = _MMA_LINEAR_TILES[fp8]
+    blocks = k // MMA_K
+    while depth > 1 and blocks % depth:
+        depth //= 2
+    steps = blocks // depth
+    target = _MMA_LINEAR_WARPS_PER_SM * sms
+    options = [d for d in range(1, min(steps, _MMA_LINEAR_MAX_SPLIT) + 1) if steps % d == 0]
+    split = next((d for d in options if (n // 16) * d >= target), options[-1])
+    return MmaLinearTiles(warps, depth, prefetch, split)
+
+
+def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False) -> ExpertTiles:
+    """Tiles of an mma-layout expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
     rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
     (shrunk to divide each split's blocks), num_stages 1 + the L2 prefetch distance."""
-    warps, depth, prefetch, split = _MMA_EXPERT_TILES[0 if w13 else 1]
+    warps, depth, prefetch, split = _MMA_EXPERT_TILES[fp8][0 if w13 else 1]
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:

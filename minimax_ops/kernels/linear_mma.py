@@ -1,0 +1,149 @@
+"""Weight-streaming GEMV for weights in the mma layouts (``mxfp4_mma`` / ``mxfp8_mma``, formats.py):
+``y = x @ dequant(W)^T`` with mma_decode.block_stream (MX values decoded into mma.sync operand
+registers, no shared memory), for the decode steps' 1..16 tokens.
+
+Grid (group of NW row blocks, K split): warp w streams row block NW * pid + w (16 rows) over its
+split of K for the step's tokens, 8 a group, two groups per weight load (so 9..16 tokens read the
+weights once). One split stores y; several store fp32 partials and the last split of a group to
+finish sums them in a fixed order (splitk.py). Launched as a programmatic dependent, a program
+asks L2 for its first load steps before it waits for x. Tiles come from tiles.mma_linear_tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
+from .aot import KernelSpec
+from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, prefetch_step,
+                         stream_pointers, warp_rows)
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
+from .splitk import last_arrival, split_counters, sum_splits
+from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms
+
+
+@triton.jit
+def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
+                       stride_xm, stride_wb, stride_sb, stride_om,
+                       NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
+                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+    """x_ptr: int32 view of x [M, K] (stride_xm in words); w / s: int32 words [N/16, K/64, 128 | 256]
+    and scale bytes [N/16, K/64, 32] (row-block strides in their units); out [M, N]; part [SPLIT, M, N] fp32."""
+    stride_xm = tl.multiple_of(stride_xm, 4)
+    stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
+    n_blocks = N // 16
+    rb = tl.minimum(tl.program_id(0) * NW + warp_rows(NW, DEPTH), n_blocks - 1).to(tl.int64)
+    w_rows, s_rows = w_ptr + rb * stride_wb, s_ptr + rb * stride_sb
+    kb_split = k_blocks // SPLIT
+    kb_begin = tl.program_id(1) * kb_split
+    n_steps = kb_split // DEPTH
+    if PDL:
+        if PREFETCH > 0:  # the weights do not depend on the previous kernel: ask for them first
+            w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
+            for p in tl.static_range(PREFETCH):
+                prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
+        gdc_wait()
+        gdc_launch_dependents()
+    d, g, c, e = fragment_index(NW, DEPTH)
+    d1, g1, c1, e1 = fragment_index(NW, 1)
+    n_out = (tl.program_id(0) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
+    mn = (tl.zeros([], dtype=tl.int64) + M) * N
+    for m0 in range(0, M, 2 * TOKENS):
+        x_rows = x_ptr + tl.minimum(m0 + g, M - 1).to(tl.int64) * stride_xm
+        zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
+        if m0 + TOKENS < M:
+            y_rows = x_ptr + tl.minimum(g + (m0 + TOKENS), M - 1).to(tl.int64) * stride_xm
+            acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
+                                     PREFETCH, FP8, PDL, 2)
+        else:
+            acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
+                                     PREFETCH, FP8, PDL, 1)
+        for half in tl.static_range(2):
+            part = fold(acc if half == 0 else acc2, NW, DEPTH)
+            tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
+            ok = (tok < M) & (n_out < N)
+            if SPLIT == 1:
+                tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, part.to(out_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(part_ptr + tl.program_id(1) * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
+    if SPLIT > 1:
+        if last_arrival(cnt_ptr + tl.program_id(0), SPLIT):
+            for m0 in range(0, M, TOKENS):
+                tok = m0 + 2 * c1 + e1 % 2
+                ok = (tok < M) & (n_out < N)
+                total = sum_splits(part_ptr + tok.to(tl.int64) * N + n_out, ok, mn, SPLIT, SPLIT_POW2)
+                tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _aligned_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: 16-byte aligned rows of 32-bit pairs (a copy otherwise)."""
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+    return x
+
+
+def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, out_dtype: torch.dtype,
+               tiles: MmaLinearTiles | None = None, pdl: bool = False) -> torch.Tensor:
+    """y [M, N] = x [M, K] (bf16) @ dequant(weight)^T for a checked (weight, scale) pair in an mma
+    layout (mx_linear's path for them): fp32 accumulation, out_dtype. ``tiles`` overrides
+    tiles.mma_linear_tiles (tuning, tests)."""
+    m, k = x.shape
+    n = weight.shape[-3] * MMA_ROWS
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    fp8 = fmt == FMT_MXFP8_MMA
+    ptx = use_ptx(x.device)
+    t = tiles or mma_linear_tiles(n, k, num_sms(x.device), fp8)
+    nw, depth = t.num_warps, t.depth
+    if not ptx:  # the emulation: one row block per program, one block per step (see moe_mma._portable)
+        nw, depth = 1, 1
+    blocks = k // MMA_K
+    split = t.split if blocks % (t.split * depth) == 0 else 1
+    while blocks % depth:
+        depth //= 2
+    w, s = mma_operands("weight", weight, scale)
+    x32 = _aligned_x(x).view(torch.int32)
+    check_aligned("x", x32.unsqueeze(-1))
+    groups = triton.cdiv(n // MMA_ROWS, nw)
+    counters = split_counters(x.device, groups) if split > 1 else None
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    if split > 1 and counters is None:  # (first call inside a graph capture): one split
+        split, part = 1, out
+    pdl = pdl and pdl_supported(x.device)
+    _mma_linear_kernel[(groups, split)](
+        x32, w, s, out, part, counters if counters is not None else s, m, n, blocks,
+        x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        NW=nw, DEPTH=depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
+        PREFETCH=t.prefetch if ptx else 0, FP8=fp8, num_warps=nw, num_stages=1, launch_pdl=pdl)
+    return out
+
+
+# ---- ahead-of-time specs ---------------------------------------------------------------------------------
+
+# (N, K) met: a small matrix and the real model's qkv + index (9856 x 6144) and o_proj (6144 x 8192).
+AOT_SHAPES = [(64, 128), (9856, 6144), (6144, 8192)]
+
+
+def aot_specs() -> list[KernelSpec]:
+    """Both formats at every shape with the heuristic's tiles: the portable decode everywhere, the
+    inline-PTX one (plain and as a PDL dependent with its L2 prefetch) for CUDA."""
+    sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32", "stride_wb": "i32",
+           "stride_sb": "i32", "stride_om": "i32"}
+    specs = []
+    for fp8 in (False, True):
+        for n, k in AOT_SHAPES:
+            t = mma_linear_tiles(n, k, 132, fp8)
+            for ptx, pdl in ((False, False), (True, False), (True, True)):
+                nw, depth = (t.num_warps, t.depth) if ptx else (1, 1)
+                specs.append(KernelSpec(
+                    _mma_linear_kernel, sig,
+                    dict(NW=nw, DEPTH=depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx, PDL=pdl,
+                         PREFETCH=t.prefetch if ptx else 0, FP8=fp8),
+                    num_warps=nw, num_stages=1, targets=("cuda",) if ptx else (),
+                    name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
+                         f"_s{t.split}"))
+    return specs
