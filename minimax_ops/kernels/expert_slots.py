@@ -14,8 +14,10 @@ PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot
 @triton.jit
 def slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
                  SHARED_SLOT: tl.constexpr):
-    """The slot-th smallest routed expert id present in ids[0:n_pairs]; with SHARED_SLOT the slot
-    right after the last present one is the shared expert NUM_ROUTED; -1 for an empty slot."""
+    """The slot-th smallest routed expert id present in ids[0:n_pairs]; with SHARED_SLOT the last
+    slot of the grid is the shared expert NUM_ROUTED (a slot known before the ids are: the fused
+    layer's shared-expert programs start streaming while the router still runs, moe_mma.py);
+    -1 for an empty slot (routed slots past the number of distinct experts)."""
     experts = tl.arange(0, E_POW2)
     present = tl.zeros([E_POW2], dtype=tl.int32)
     for p0 in range(0, n_pairs, PAIR_BLOCK):
@@ -26,7 +28,7 @@ def slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED: tl.constexpr, E_POW2: tl.con
     rank = tl.cumsum(present, axis=0) - 1
     expert = tl.max(tl.where((present > 0) & (rank == slot), experts, -1), axis=0)
     if SHARED_SLOT:
-        expert = tl.where(slot == tl.sum(present, axis=0), NUM_ROUTED, expert)
+        expert = tl.where(slot == tl.num_programs(0) - 1, NUM_ROUTED, expert)
     return expert
 
 

@@ -4,7 +4,7 @@ moe_experts streams each *distinct* chosen expert's weights once per step, with 
 - Slots: slot s of a launch is the s-th smallest expert id present in topk_ids, found in-kernel by
   every program from the <= n*k ids (an [E, 16] comparison per 16 ids); slots past the number of
   distinct experts exit at once. The grid has min(E, n*k) (+1 for a shared expert, which takes the
-  slot after the last routed one, from the table or from its own tensors) slots, known on the host.
+  last slot of the grid, from the table or from its own tensors) slots, known on the host.
 - ``_moe_w13_kernel`` (slot, I tile, H split): one tile of interleaved gate/up rows times all tokens
   of the step (16-row tl.dot tiles; rows of tokens that did not choose the expert are masked off
   the x loads) -> SwiGLU-OAI -> bf16 intermediate a[token, top-k column, I], stored for choosing

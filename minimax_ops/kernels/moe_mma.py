@@ -39,12 +39,21 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
-    """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and int32 scale
-    words [E, row blocks, K blocks, 128 | 8]; strides in their own units. With SPLIT > 1 the H
-    splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
-    tile's splits to finish sums them in order and applies SwiGLU."""
+    """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
+    [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
+    H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
+    tile's splits to finish sums them in order and applies SwiGLU.
+
+    PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
+    slot (the grid's last) needs only h, complete since the router passed its own wait: it streams
+    its weights under the router's tail and waits only before its first store (buffers of this
+    step may reuse memory the router still uses)."""
     if PDL:
-        gdc_wait()
+        if SHARED_SLOT:
+            if tl.program_id(0) != tl.num_programs(0) - 1:
+                gdc_wait()
+        else:
+            gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
     expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
@@ -70,6 +79,9 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                                          DEPTH, PTX, PREFETCH, FP8)[0], NW, DEPTH)
                 up = fold(block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH,
                                        PTX, PREFETCH, FP8)[0], NW, DEPTH)
+                if PDL:
+                    if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
+                        gdc_wait()
                 tok = m0 + 2 * c1 + e1 % 2
                 col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                 ok = (col >= 0) & (i_out < inter_e)
