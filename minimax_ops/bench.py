@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
     ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
     ap.add_argument("--layout", choices=("kernel", "words", "tiled", "canonical"), default="kernel",
-                    help="weights: weights.to_kernel_layout (kernel: mxfp4_mma experts), the same with MXFP4 "
-                         "experts as words, tiled, or the checkpoint's")
+                    help="weights: weights.to_kernel_layout (kernel: the mxfp4_mma / mxfp8_mma layouts), the same "
+                         "without them (MXFP4 as words), tiled, or the checkpoint's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
