@@ -9,8 +9,10 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   them in order).
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
-Tokens go 8 per pass (the mma's N); a pass whose 8 tokens did not choose the slot's expert is
-skipped, so a routed expert at a small step streams its weights once.
+Tokens go 8 per pass (the mma's N), 16 as two groups on one weight stream for mxfp8_mma (the MXFP4
+decode is issue-bound: a second pass costs it no more than decoding twice); a group that did not
+choose the slot's expert is not multiplied, so a routed expert at a small step streams its weights
+once.
 """
 
 from __future__ import annotations
@@ -28,6 +30,41 @@ from .expert_slots import columns_of, slot_weights, swiglu_oai
 from .mma_decode import TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, warp_rows
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
+
+
+@triton.jit
+def _chosen(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+            SHARED_ONLY: tl.constexpr):
+    """Whether any token of the group ``tok`` ([R, 1] token indices) chose ``expert``."""
+    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    return tl.max(tl.max(col, axis=1), axis=0) >= 0
+
+
+@triton.jit
+def _store_gate_up(gate, up, m0, c1, e1, i_out, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+                   stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
+                   TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr):
+    """Token group m0's (gate, up) fragments: SwiGLU -> a (one split), or fp32 partials."""
+    tok = 2 * c1 + e1 % 2 + m0
+    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    ok = (col >= 0) & (i_out < inter_e)
+    if SPLIT == 1:
+        a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
+        tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
+    else:
+        p_ptrs = (part_ptr + tl.program_id(2) * stride_psplit + tok.to(tl.int64) * stride_pm + col * stride_pcol
+                  + 2 * i_out)
+        tl.store(p_ptrs, gate, mask=ok)
+        tl.store(p_ptrs + 1, up, mask=ok)
+
+
+@triton.jit
+def _store_y(acc, m0, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
+             NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr):
+    tok = 2 * c1 + e1 % 2 + m0
+    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
+    tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
 
 
 @triton.jit
@@ -70,29 +107,44 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         i_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         kb_split = k_blocks // SPLIT
         kb_begin = tl.program_id(2) * kb_split
-        for m0 in range(0, n_tokens, TOKENS):
-            col_x = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-            if tl.max(tl.max(col_x, axis=1), axis=0) >= 0:
-                x_rows = h_ptr + tl.minimum(m0 + g, n_tokens - 1).to(tl.int64) * stride_hm
+        n_steps = kb_split // DEPTH
+        TWO_GROUPS: tl.constexpr = FP8  # (the MXFP4 decode is issue-bound, and its deep w13 would spill)
+        STEP: tl.constexpr = 2 * TOKENS if FP8 else TOKENS
+        for m0 in range(0, n_tokens, STEP):
+            any_a = _chosen(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+            if TWO_GROUPS:
+                any_b = _chosen(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                go = any_a | any_b
+                both = any_a & any_b
+                first = tl.where(any_a, m0, m0 + TOKENS)  # one group: the one that chose the expert
+            else:
+                go = any_a
+                both = False
+                first = m0
+            if go:
+                x_rows = h_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_hm
+                y_rows = h_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_hm
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
-                gate = fold(block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW,
-                                         DEPTH, PTX, PREFETCH, FP8)[0], NW, DEPTH)
-                up = fold(block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH,
-                                       PTX, PREFETCH, FP8)[0], NW, DEPTH)
+                if both:
+                    gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
+                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2)
+                    up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
+                                           PREFETCH, FP8, GROUPS=2)
+                else:
+                    gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW,
+                                               DEPTH, PTX, PREFETCH, FP8)
+                    up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
+                                           PREFETCH, FP8)
                 if PDL:
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
-                tok = m0 + 2 * c1 + e1 % 2
-                col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-                ok = (col >= 0) & (i_out < inter_e)
-                if SPLIT == 1:
-                    a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
-                    tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
-                else:
-                    p_ptrs = (part_ptr + tl.program_id(2) * stride_psplit + tok.to(tl.int64) * stride_pm
-                              + col * stride_pcol + 2 * i_out)
-                    tl.store(p_ptrs, gate, mask=ok)
-                    tl.store(p_ptrs + 1, up, mask=ok)
+                _store_gate_up(fold(gate, NW, DEPTH), fold(up, NW, DEPTH), first, c1, e1, i_out, inter_e, ids_ptr,
+                               n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
+                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT)
+                if both:
+                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, c1, e1, i_out, inter_e,
+                                   ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit,
+                                   stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(0, n_tokens, TOKENS):
@@ -135,19 +187,43 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         kb_begin = tl.program_id(2) * kb_split
         d1, g1, c1, e1 = fragment_index(NW, 1)
         h_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
-        for m0 in range(0, n_tokens, TOKENS):
-            col_x = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-            if tl.max(tl.max(col_x, axis=1), axis=0) >= 0:
-                x_rows = (a_ptr + tl.minimum(m0 + g, n_tokens - 1).to(tl.int64) * stride_am
-                          + tl.maximum(col_x, 0) * stride_acol)  # unchosen rows: any readable row
+        n_steps = kb_split // DEPTH
+        TWO_GROUPS: tl.constexpr = FP8  # (the MXFP4 decode is issue-bound, and its deep w13 would spill)
+        STEP: tl.constexpr = 2 * TOKENS if FP8 else TOKENS
+        for m0 in range(0, n_tokens, STEP):
+            col_a = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+            any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
+            if TWO_GROUPS:
+                col_b = columns_of(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
+                go = any_a | any_b
+                both = any_a & any_b
+                first = tl.where(any_a, m0, m0 + TOKENS)
+                col_x = tl.where(any_a, col_a, col_b)
+            else:
+                col_b = col_a
+                go = any_a
+                both = False
+                first = m0
+                col_x = col_a
+            if go:
+                # unchosen rows: any readable row
+                x_rows = (a_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_am
+                          + tl.maximum(col_x, 0) * stride_acol)
+                y_rows = (a_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_am
+                          + tl.maximum(col_b, 0) * stride_acol)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
-                acc = fold(block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, kb_split // DEPTH, NW, DEPTH,
-                                        PTX, PREFETCH, FP8)[0], NW, DEPTH)
-                tok = m0 + 2 * c1 + e1 % 2
-                col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-                y_ptrs = (y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol
-                          + h_out)
-                tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
+                if both:
+                    acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
+                                             PTX, PREFETCH, FP8, GROUPS=2)
+                else:
+                    acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
+                                             PTX, PREFETCH, FP8)
+                _store_y(fold(acc, NW, DEPTH), first, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert, y_ptr,
+                         stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                if both:
+                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert,
+                             y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
 
 
 def _prefetch(t, ptx: bool) -> int:
