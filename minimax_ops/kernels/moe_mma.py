@@ -9,10 +9,9 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   them in order).
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
-Tokens go 8 per pass (the mma's N), 16 as two groups on one weight stream for mxfp8_mma (the MXFP4
-decode is issue-bound: a second pass costs it no more than decoding twice); a group that did not
-choose the slot's expert is not multiplied, so a routed expert at a small step streams its weights
-once.
+Tokens go 8 per pass (the mma's N); steps of 9-16 tokens with mxfp8_mma tables go as two groups on
+one weight stream (``_two_groups``); a group that did not choose the slot's expert is not
+multiplied, so a routed expert streams its weights once per step.
 """
 
 from __future__ import annotations
@@ -75,7 +74,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
-                    PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+                    PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
+                    TWO_GROUPS: tl.constexpr):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -108,8 +108,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         kb_split = k_blocks // SPLIT
         kb_begin = tl.program_id(2) * kb_split
         n_steps = kb_split // DEPTH
-        TWO_GROUPS: tl.constexpr = FP8  # (the MXFP4 decode is issue-bound, and its deep w13 would spill)
-        STEP: tl.constexpr = 2 * TOKENS if FP8 else TOKENS
+        STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
             any_a = _chosen(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
             if TWO_GROUPS:
@@ -167,7 +166,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs."""
     expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
@@ -188,8 +187,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         d1, g1, c1, e1 = fragment_index(NW, 1)
         h_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         n_steps = kb_split // DEPTH
-        TWO_GROUPS: tl.constexpr = FP8  # (the MXFP4 decode is issue-bound, and its deep w13 would spill)
-        STEP: tl.constexpr = 2 * TOKENS if FP8 else TOKENS
+        STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
             col_a = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
             any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
@@ -226,6 +224,13 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                              y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
 
 
+def _two_groups(fmt: int, n_tokens: int) -> bool:
+    """Whether the kernels pair two token groups on one weight stream: mxfp8_mma steps of more than
+    8 tokens (the paired code's registers cost the one-group steps speed, and the MXFP4 decode is
+    issue-bound: a second pass costs it no more than decoding twice)."""
+    return fmt == FMT_MXFP8_MMA and n_tokens > 8
+
+
 def _prefetch(t, ptx: bool) -> int:
     """L2 prefetch distance in load steps (CUDA only: the prefetch is PTX); ExpertTiles.num_stages
     carries it for these kernels."""
@@ -251,7 +256,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         t13, t2 = _portable(t13), _portable(t2)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
-                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA)
+                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
+                  TWO_GROUPS=_two_groups(w13.fmt, n))
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -311,7 +317,7 @@ def aot_specs() -> list[KernelSpec]:
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                          "FP8": fp8}
+                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table"}
                 targets = ("cuda",) if ptx else ()
                 label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                 for split in sorted({t13.split, 2}):
