@@ -140,11 +140,11 @@ def _routing(n, device):
     return ids.to(device), (torch.rand(n, K) + 0.1).to(device)
 
 
-def _tables(device, experts=E, shared=True, inter_shared=I, fmt="mxfp4"):
+def _tables(device, experts=E, shared=True, inter_shared=I, fmt="mxfp4", hidden=H, inter=I):
     mx = _MX[fmt]
-    tabs = [mx(experts, 2 * I, H), mx(experts, H, I)]
+    tabs = [mx(experts, 2 * inter, hidden), mx(experts, hidden, inter)]
     if shared:
-        tabs += [mx(2 * inter_shared, H), mx(H, inter_shared)]
+        tabs += [mx(2 * inter_shared, hidden), mx(hidden, inter_shared)]
     canonical = [t.to(device) for pair in tabs for t in pair]
     mma = [t.to(device) for pair in tabs for t in to_mma_layout(*pair)]
     return canonical, mma
@@ -159,19 +159,19 @@ def test_moe_experts_match_reference(n, shared, device):
 
 @pytest.mark.parametrize("n, shared", [(1, "separate"), (9, "table")])
 def test_moe_experts_mxfp8_match_reference(n, shared, device):
-    _check_moe(n, shared, device, "mxfp8")
+    _check_moe(n, shared, device, "mxfp8", hidden=128, inter=64)  # (smaller: the interpreter's emulation is slow)
 
 
-def _check_moe(n, shared, device, fmt):
+def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
     torch.manual_seed(n)
-    h = torch.randn(n, H, device=device).bfloat16()
+    h = torch.randn(n, hidden, device=device).bfloat16()
     ids, weights = _routing(n, device)
-    canonical, mma = _tables(device, E + (shared == "table"), shared in ("separate", "other"), fmt=fmt)
+    canonical, mma = _tables(device, E + (shared == "table"), shared in ("separate", "other"), inter, fmt, hidden, inter)
     if shared == "other":
         mma[4:] = [pack_mxfp4_words(canonical[4]), canonical[5], pack_mxfp4_words(canonical[6]), canonical[7]]
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
-    assert out.shape == (n, H) and torch.isfinite(out).all()
+    assert out.shape == (n, hidden) and torch.isfinite(out).all()
     assert rel_err(out, want) < 1.5e-2
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 
