@@ -11,10 +11,12 @@ up to 8 token rows. Scale bytes are stored biased (``E = s + 126``: the bf16 exp
 the decode's v * 2^-126 into v * 2^(s - 127)).
 
 Every tensor here is in *fragment order*: [DEPTH * NW * 32, 4], row d * NW * 32 + r block d of
-lane r % 32 of warp r // 32, column e its register e. The loads are contiguous along the 4 columns (128-bit words, 32-bit
-scale bytes), so Triton gives each thread one row: the inline PTX relies on that, and nothing
-after it reshapes or reduces across rows (which could make Triton pick another layout); the GPU
-tests check the result against the reference. The accumulator's register e of lane
+lane r % 32 of warp r // 32, column e its register e. Every operand load is contiguous along the 4
+columns (128-bit words; the lane's 4 scale bytes as one uint8 [R, 4] load, which Triton packs into
+one register), so Triton gives each thread one row: the inline PTX relies on that, and nothing
+after it reshapes or reduces across rows. (A scale word broadcast over the columns once made
+Triton choose a row-major layout for small launches; tests/test_kernels_aot.py compiles every PTX
+launch and checks the layout, the GPU tests check the results against the reference.) The accumulator's register e of lane
 (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
 
 An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 128-bit loads): per
