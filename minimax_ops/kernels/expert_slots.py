@@ -1,7 +1,7 @@
 """Which expert a program of an expert kernel streams, and for which tokens: the slot -> expert
 map computed in-kernel from the step's top-k ids (no host sync), the slot's weight pointers
 (shared expert in the table or separate), the top-k column of each token, and SwiGLU-OAI. Shared by
-the row-layout kernels (moe.py) and the mxfp4_mma ones (moe_mma.py)."""
+the row-layout kernels (moe.py) and the mma-layout ones (moe_mma.py)."""
 
 from __future__ import annotations
 

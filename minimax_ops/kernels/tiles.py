@@ -137,7 +137,7 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
                  can_split: bool = True, n_tokens: int = 16) -> ExpertTiles:
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
-    A one-token step takes the FMA path's tiles; ``mxfp4_mma`` tables take ``mma_expert_tiles``."""
+    A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles``."""
     if fmt in MMA_CODES:
         return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA)
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
@@ -239,7 +239,7 @@ def router_config(n_tokens: int, n_experts: int, hidden: int, sms: int) -> Route
     return RouterConfig(block_e, block_h, split, logits, fused_topk=n_tokens == 1)
 
 
-EXPERT_FORMATS = tuple(_EXPERT_TILES)  # the row layouts' decode codes (mxfp4_mma has its own kernels)
+EXPERT_FORMATS = tuple(_EXPERT_TILES)  # the row layouts' decode codes (the mma layouts have their own kernels)
 
 
 def _dividing_rows(rows: int, n: int, least: int = 16) -> int | None:
