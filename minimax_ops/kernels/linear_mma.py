@@ -128,8 +128,8 @@ AOT_SHAPES = [(64, 128), (9856, 6144), (6144, 8192)]
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Both formats at every shape with the heuristic's tiles: the portable decode everywhere, the
-    inline-PTX one (plain and as a PDL dependent with its L2 prefetch) for CUDA."""
+    """Both formats with the heuristic's tiles: the inline-PTX decode (plain and as a PDL dependent)
+    at every shape for CUDA, the portable one at the small shape everywhere."""
     sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32", "stride_wb": "i32",
            "stride_sb": "i32", "stride_om": "i32"}
@@ -138,6 +138,8 @@ def aot_specs() -> list[KernelSpec]:
         for n, k in AOT_SHAPES:
             t = mma_linear_tiles(n, k, 132, fp8)
             for ptx, pdl in ((False, False), (True, False), (True, True)):
+                if not ptx and (n, k) != AOT_SHAPES[0]:
+                    continue  # portable at the small size only (mma layouts are laid out only where PTX runs)
                 nw, depth = (t.num_warps, t.depth) if ptx else (1, 1)
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,

@@ -224,11 +224,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                              y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
 
 
-def _two_groups(fmt: int, n_tokens: int) -> bool:
+def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
     """Whether the kernels pair two token groups on one weight stream: mxfp8_mma steps of more than
-    8 tokens (the paired code's registers cost the one-group steps speed, and the MXFP4 decode is
-    issue-bound: a second pass costs it no more than decoding twice)."""
-    return fmt == FMT_MXFP8_MMA and n_tokens > 8
+    8 tokens on the PTX path (the paired code's registers cost the one-group steps speed, the MXFP4
+    decode is issue-bound: a second pass costs it no more than decoding twice, and the portable
+    emulation gains nothing from it)."""
+    return fmt == FMT_MXFP8_MMA and n_tokens > 8 and ptx
 
 
 def _prefetch(t, ptx: bool) -> int:
@@ -257,7 +258,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
-                  TWO_GROUPS=_two_groups(w13.fmt, n))
+                  TWO_GROUPS=_two_groups(w13.fmt, n, ptx))
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -293,8 +294,9 @@ _MODES = {"table": (True, False, False), "merged": (True, True, False), "shared"
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Both kernels at both sizes in every shared-expert mode with the default tiles (and w13 split
-    in two): the portable decode everywhere, the inline-PTX one (with and without PDL) for CUDA."""
+    """Both kernels with the default tiles (and w13 split in two): MXFP4 at both sizes in every
+    shared-expert mode, MXFP8 in the table (paired token groups) and merged modes; the inline-PTX
+    decode (with and without PDL) for CUDA, the portable one everywhere (MXFP8: small size only)."""
     from .tiles import mma_expert_tiles
     common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
                   "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32"}
@@ -311,13 +313,15 @@ def aot_specs() -> list[KernelSpec]:
             modes = {m: modes[m] for m in ("table", "merged") if m in modes}
         for mode, (shared_slot, shared_separate, shared_only) in modes.items():
             for ptx, pdl in ((False, False), (True, False), (True, True)):
+                if fp8 and not ptx and hidden != AOT_SIZES[0][0]:
+                    continue  # portable fp8 at the small size only (mma layouts are laid out only where PTX runs)
                 t13, t2 = mma_expert_tiles(hidden, True, fp8=fp8), mma_expert_tiles(inter, False, fp8=fp8)
                 if not ptx:
                     t13, t2 = _portable(t13), _portable(t2)
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table"}
+                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx}
                 targets = ("cuda",) if ptx else ()
                 label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                 for split in sorted({t13.split, 2}):
