@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import DENSE, SPARSE_MOE, MiniMaxM3Config
-from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, MMA8_SCALE_BIAS, MMA_K, MMA_ROWS, MMA_SCALE_BIAS,
-                      WeightFormat, has_fp8_nan,
-                      pack_mxfp4_words, quantize, to_layout, to_mma_layout,
-                      weight_layout)
+from .formats import (CANONICAL, FMT_MXFP4, FMT_MXFP4_WORDS, MMA_K, WeightFormat, pack_mxfp4_words, quantize,
+                      to_layout, to_mma_layout, weight_layout)
 
 SHARED_SEPARATE = "separate"
 SHARED_IN_TABLE = "table"
@@ -104,17 +102,15 @@ def _words(weight, scale):
 
 def _mma(weight, scale):
     """An MXFP4 / MXFP8 matrix or expert table in ``mxfp4_mma`` / ``mxfp8_mma`` (the mma.sync
-    kernels' layouts) where it fits: K a multiple of 128, N of 16, scales within the layout's
-    range, no fp8 NaN codes; else as words (MXFP4) or unchanged."""
+    kernels' layouts) where it fits (to_mma_layout's conditions, and K a multiple of 128, the
+    smallest K the mma kernels are tiled and tested for); else as words (MXFP4) or unchanged."""
     layout = weight_layout(weight, scale, weight.dim())
-    if layout.name not in ("mxfp4", "mxfp8"):
+    if layout.name not in ("mxfp4", "mxfp8") or (weight.shape[-1] * layout.k_per_unit) % (2 * MMA_K):
         return _words(weight, scale)
-    n, k = weight.shape[-2], weight.shape[-1] * layout.k_per_unit
-    bias = MMA_SCALE_BIAS if layout.name == "mxfp4" else MMA8_SCALE_BIAS
-    nan = layout.name == "mxfp8" and has_fp8_nan(weight)
-    if n % MMA_ROWS or k % (2 * MMA_K) or int(scale.max()) > 254 - bias or nan:
+    try:
+        return to_mma_layout(weight, scale)
+    except ValueError:  # N, scale range or NaN codes: the layout cannot hold this weight
         return _words(weight, scale)
-    return to_mma_layout(weight, scale)
 
 
 def _tiled(weight, scale, tiles_of, rank):

@@ -38,15 +38,8 @@ def token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED: tl.constexpr, TOPK:
     """Tokens m0..m0+BLOCK_M: (token index, the top-k column that chose `expert`, -1 if none).
     The shared expert (NUM_ROUTED, or every token with SHARED_ONLY) has column TOPK."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    valid = offs_m < n_tokens
-    col = tl.where(valid, TOPK, -1)
-    if not SHARED_ONLY:
-        cols = tl.arange(0, K_POW2)
-        ids = tl.load(ids_ptr + offs_m[:, None] * TOPK + cols[None, :],
-                      mask=valid[:, None] & (cols[None, :] < TOPK), other=-1)
-        routed_col = tl.max(tl.where(ids == expert, cols[None, :], -1), axis=1)
-        col = tl.where(expert == NUM_ROUTED, col, routed_col)
-    return offs_m, col
+    col = columns_of(ids_ptr, offs_m[:, None], n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    return offs_m, tl.reshape(col, [BLOCK_M])
 
 
 @triton.jit

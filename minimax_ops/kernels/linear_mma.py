@@ -21,7 +21,7 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_ind
                          stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms
+from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles
 
 
 @triton.jit
@@ -97,17 +97,16 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     fp8 = fmt == FMT_MXFP8_MMA
     ptx = use_ptx(x.device)
     t = tiles or mma_linear_tiles(n, k, num_sms(x.device), fp8)
-    nw, depth = t.num_warps, t.depth
-    if not ptx:  # the emulation: one row block per program, one block per step (see moe_mma._portable)
-        nw, depth = 1, 1
+    if not ptx:
+        t = portable_mma_tiles(t)
     blocks = k // MMA_K
-    split = t.split if blocks % (t.split * depth) == 0 else 1
-    while blocks % depth:
-        depth //= 2
+    if blocks % (t.split * t.depth):
+        raise ValueError(f"tiles: {t.split} splits x depth {t.depth} must divide the {blocks} K blocks")
+    split = t.split
     w, s = mma_operands("weight", weight, scale)
     x32 = _aligned_x(x).view(torch.int32)
     check_aligned("x", x32.unsqueeze(-1))
-    groups = triton.cdiv(n // MMA_ROWS, nw)
+    groups = triton.cdiv(n // MMA_ROWS, t.num_warps)
     counters = split_counters(x.device, groups) if split > 1 else None
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     if split > 1 and counters is None:  # (first call inside a graph capture): one split
@@ -116,8 +115,8 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     _mma_linear_kernel[(groups, split)](
         x32, w, s, out, part, counters if counters is not None else s, m, n, blocks,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
-        NW=nw, DEPTH=depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
-        PREFETCH=t.prefetch if ptx else 0, FP8=fp8, num_warps=nw, num_stages=1, launch_pdl=pdl)
+        NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
+        PREFETCH=t.prefetch, FP8=fp8, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl)
     return out
 
 
@@ -136,16 +135,16 @@ def aot_specs() -> list[KernelSpec]:
     specs = []
     for fp8 in (False, True):
         for n, k in AOT_SHAPES:
-            t = mma_linear_tiles(n, k, 132, fp8)
             for ptx, pdl in ((False, False), (True, False), (True, True)):
                 if not ptx and (n, k) != AOT_SHAPES[0]:
                     continue  # portable at the small size only (mma layouts are laid out only where PTX runs)
-                nw, depth = (t.num_warps, t.depth) if ptx else (1, 1)
+                t = mma_linear_tiles(n, k, 132, fp8)
+                t = t if ptx else portable_mma_tiles(t)
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
-                    dict(NW=nw, DEPTH=depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx, PDL=pdl,
-                         PREFETCH=t.prefetch if ptx else 0, FP8=fp8),
-                    num_warps=nw, num_stages=1, targets=("cuda",) if ptx else (),
+                    dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8),
+                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}"))
     return specs

@@ -16,7 +16,6 @@ multiplied, so a routed expert streams its weights once per step.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import torch
@@ -29,14 +28,32 @@ from .expert_slots import columns_of, slot_weights, swiglu_oai
 from .mma_decode import TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, warp_rows
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
+from .tiles import portable_mma_tiles
 
 
 @triton.jit
-def _chosen(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-            SHARED_ONLY: tl.constexpr):
-    """Whether any token of the group ``tok`` ([R, 1] token indices) chose ``expert``."""
-    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-    return tl.max(tl.max(col, axis=1), axis=0) >= 0
+def _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+                  K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TWO_GROUPS: tl.constexpr):
+    """Which token groups of the pass at m0 (one, or two with TWO_GROUPS: m0 and m0 + 8) chose
+    ``expert``, g the lanes' token row in a group: (go: any did, both: two did, first: the token
+    offset of the first that did, col_first / col_second: the lanes' top-k columns in that group
+    and in the second, -1 where a token did not choose it)."""
+    col_a = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
+    if TWO_GROUPS:
+        col_b = columns_of(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+        any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
+        go = any_a | any_b
+        both = any_a & any_b
+        first = tl.where(any_a, m0, m0 + TOKENS)
+        col_first = tl.where(any_a, col_a, col_b)
+    else:
+        col_b = col_a
+        go = any_a
+        both = False
+        first = m0
+        col_first = col_a
+    return go, both, first, col_first, col_b
 
 
 @triton.jit
@@ -110,21 +127,13 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
-            any_a = _chosen(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-            if TWO_GROUPS:
-                any_b = _chosen(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-                go = any_a | any_b
-                both = any_a & any_b
-                first = tl.where(any_a, m0, m0 + TOKENS)  # one group: the one that chose the expert
-            else:
-                go = any_a
-                both = False
-                first = m0
+            go, both, first, _, _ = _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2,
+                                                  SHARED_ONLY, TWO_GROUPS)
             if go:
                 x_rows = h_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_hm
-                y_rows = h_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_hm
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
                 if both:
+                    y_rows = h_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
                                                DEPTH, PTX, PREFETCH, FP8, GROUPS=2)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
@@ -189,29 +198,16 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
-            col_a = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-            any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
-            if TWO_GROUPS:
-                col_b = columns_of(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-                any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
-                go = any_a | any_b
-                both = any_a & any_b
-                first = tl.where(any_a, m0, m0 + TOKENS)
-                col_x = tl.where(any_a, col_a, col_b)
-            else:
-                col_b = col_a
-                go = any_a
-                both = False
-                first = m0
-                col_x = col_a
+            go, both, first, col_x, col_b = _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED, TOPK,
+                                                          K_POW2, SHARED_ONLY, TWO_GROUPS)
             if go:
                 # unchosen rows: any readable row
                 x_rows = (a_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_am
                           + tl.maximum(col_x, 0) * stride_acol)
-                y_rows = (a_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_am
-                          + tl.maximum(col_b, 0) * stride_acol)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
                 if both:
+                    y_rows = (a_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_am
+                              + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, GROUPS=2)
                 else:
@@ -238,12 +234,6 @@ def _prefetch(t, ptx: bool) -> int:
     return max(0, t.num_stages - 1) if ptx else 0
 
 
-def _portable(t):
-    """The emulated block product (interpreter, AMD) with one row block per program and one block
-    per step: its whole-tensor intermediates grow with both, and so does its compile time."""
-    return dataclasses.replace(t, num_warps=1, k_chunks=1)
-
-
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
                        t13, t2, alpha, limit, pdl):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
@@ -254,7 +244,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
     ptx = use_ptx(h.device) if t13.ptx is None else t13.ptx
     if not ptx:
-        t13, t2 = _portable(t13), _portable(t2)
+        t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
@@ -317,7 +307,7 @@ def aot_specs() -> list[KernelSpec]:
                     continue  # portable fp8 at the small size only (mma layouts are laid out only where PTX runs)
                 t13, t2 = mma_expert_tiles(hidden, True, fp8=fp8), mma_expert_tiles(inter, False, fp8=fp8)
                 if not ptx:
-                    t13, t2 = _portable(t13), _portable(t2)
+                    t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,

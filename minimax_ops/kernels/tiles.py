@@ -183,10 +183,8 @@ def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
     """Tiles of an mma-layout GEMV [N, K]: the format's row blocks per program and depth, K split
     (into whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs."""
     warps, depth, prefetch = _MMA_LINEAR_TILES[fp8]
-    blocks = k // MMA_K
-    while depth > 1 and blocks % depth:
-        depth //= 2
-    steps = blocks // depth
+    depth = fit_chunks(k, MMA_K, depth)
+    steps = k // MMA_K // depth
     target = _MMA_LINEAR_WARPS_PER_SM * sms
     options = [d for d in range(1, min(steps, _MMA_LINEAR_MAX_SPLIT) + 1) if steps % d == 0]
     split = next((d for d in options if (n // 16) * d >= target), options[-1])
@@ -202,9 +200,16 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     blocks = k // MMA_K
     while split > 1 and blocks % split:
         split -= 1
-    while depth > 1 and (blocks // split) % depth:
-        depth //= 2
-    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=depth)
+    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth))
+
+
+def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
+    """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program,
+    one block per step, no L2 prefetch (its whole-tensor intermediates, and its compile time, grow
+    with the first two; the prefetch is PTX). The splits stay: they divide K whatever the depth."""
+    if isinstance(t, MmaLinearTiles):
+        return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0)
+    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1)  # num_stages: 1 + prefetch
 
 
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
