@@ -286,33 +286,53 @@ def pack_mxfp4_words(packed: torch.Tensor) -> torch.Tensor:
     return out.reshape(*packed.shape[:-1], -1)
 
 
+# mxfp4_words bit placement: pair j (the bf16x2 register of a word's values 2j, 2j + 1) is the OR of
+# rotl(word, r) & mask over its (r, mask) terms. Each mask covers the pair's target bits: value 2j + h
+# (h = 16-bit half) sign@15, magnitude bits 2..0 @8..6 (all + 16h), i.e. bf16 bits of value * 2^-126.
+# With rotations (one instruction each, like shifts) every pair but the last gathers its 8 bits with
+# one rotate, so a word decodes with 9 integer instructions: pairs 0-2 a rotate and a mask each, pair
+# 3 a rotate and two masks (kernels/mx_decode.py::mxfp4_word_pairs, mxfp4_words_ptx).
+_WORD_PAIRS = (((2, 0x81C081C0),), ((6, 0x81C081C0),), ((12, 0x81C081C0),),
+               ((0, 0x81808180), (8, 0x00400040)))
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    """Rotate left of uint32 values held in int64."""
+    r %= 32
+    return x if r == 0 else ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+
 def _pack_words(packed: torch.Tensor) -> torch.Tensor:
     """``pack_mxfp4_words`` of one chunk.
 
-    Word i holds values 8i..8i+7; value 4h + j (h = 16-bit half, j = pair 0..3) has its sign s and
-    magnitude bits m (3) at: pair 0: s@15, m@8..6; pair 1: s@12, m@5..3; pair 2: s@9, m@2..0;
-    pair 3: s@14, m2 m1 @11,10, m0@13 (all + 16h). Pairs 0-2 then decode with one shift and one
-    mask ``(w << 3j) & 0x81C081C0``; pair 3 with three."""
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).to(torch.int32)
-    c = codes.unflatten(-1, (-1, 4, 2)).transpose(-1, -2)  # [..., word, half, j]: value 2j + half
-    sign, mag = c & 8, c & 7
-    halves = (((sign << 12) | (mag << 6))[..., 0] | ((sign << 9) | (mag << 3))[..., 1]
-              | ((sign << 6) | mag)[..., 2] | ((sign << 11) | ((c & 6) << 9) | ((c & 1) << 13))[..., 3])
-    as_bytes = torch.stack([halves[..., 0] & 0xFF, halves[..., 0] >> 8, halves[..., 1] & 0xFF, halves[..., 1] >> 8],
-                           dim=-1).to(torch.uint8)  # little-endian words
-    return as_bytes.flatten(-2).view(torch.int32)
+    Word i holds values 8i..8i+7; value v has its sign s and magnitude bits m2 m1 m0 at
+    v 0: s@13, m@6..4; 1: s@29, m@22..20; 2: s@9, m@2..0; 3: s@25, m@18..16; 4: s@3, m@28..26;
+    5: s@19, m@12..10; 6: s@15, m@8,7,30; 7: s@31, m@24,23,14. These are the source bits of
+    ``_WORD_PAIRS``: target bit t of term (r, mask) comes from word bit (t - r) mod 32."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # uint8, value order
+    c = codes.unflatten(-1, (-1, 4, 2))  # [..., word, j, h]: value 2j + h
+    words = torch.zeros(c.shape[:-2], dtype=torch.int64, device=packed.device)  # uint32 bits
+    for j, terms in enumerate(_WORD_PAIRS):
+        v = c[..., j, :].to(torch.int64)
+        half = ((v & 8) << 12) | ((v & 7) << 6)
+        pair = half[..., 0] | (half[..., 1] << 16)  # the bf16x2 register the decode must produce
+        for r, mask in terms:
+            words |= _rotl32(pair & mask, 32 - r)
+    return (words - ((words & 0x80000000) << 1)).to(torch.int32)
 
 
 def unpack_mxfp4_words(words: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_mxfp4_words``: int32 [..., K/8] -> canonical bytes [..., K/2]."""
-    w = words.contiguous().view(torch.uint8).to(torch.int32).unflatten(-1, (-1, 2, 2))
-    halves = w[..., 0] | (w[..., 1] << 8)  # [..., word, half]
-    sign = torch.stack([(halves >> 15) & 1, (halves >> 12) & 1, (halves >> 9) & 1, (halves >> 14) & 1], dim=-1)
-    mag = torch.stack([(halves >> 6) & 7, (halves >> 3) & 7, halves & 7,
-                       (((halves >> 10) & 3) << 1) | ((halves >> 13) & 1)], dim=-1)
-    c = (sign << 3) | mag  # [..., word, half, j]: value 2j + half
-    codes = c.transpose(-1, -2).flatten(-3)  # value order 0..7 per word
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    codes = []
+    for terms in _WORD_PAIRS:
+        pair = torch.zeros_like(w)
+        for r, mask in terms:
+            pair |= _rotl32(w, r) & mask
+        codes += [((((pair >> (15 + 16 * h)) & 1) << 3) | ((pair >> (6 + 16 * h)) & 7)).to(torch.uint8)
+                  for h in range(2)]
+    c = torch.stack(codes, dim=-1).flatten(-2)  # value order 0..7 per word
+    return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
 def _tile(t: torch.Tensor, block_n: int, units: int) -> torch.Tensor:

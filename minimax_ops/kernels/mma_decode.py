@@ -4,7 +4,7 @@ tensor-core operand registers (formats.py documents the layouts).
 A block is 16 weight rows x 64 K values = 128 int32 words + 32 scale bytes; one warp streams one
 block per call: lane l = 4g + c holds words 4l..4l+3, word j the 8 values the lane's A fragment of
 ``mma.sync.m16n8k16`` k-step j wants (rows g and g + 8), bits pre-placed as in ``mxfp4_words``, so
-a word decodes with 11 integer instructions (SASS) and 4 ``mul.bf16x2`` by the group scale into the
+a word decodes with 9 integer instructions (SASS) and 4 ``mul.bf16x2`` by the group scale into the
 four A registers: no shared-memory round trip, no re-packing of 16-bit halves. The B operand is the
 lane's x pairs (token g, 8 consecutive K values per 32-group), so one call multiplies the block by
 up to 8 token rows. Scale bytes are stored biased (``E = s + 126``: the bf16 exponent that turns

@@ -56,22 +56,27 @@ def bf16_halves(p, F32: tl.constexpr):
 @triton.jit
 def mxfp4_word_pairs(w):
     """An ``mxfp4_words`` word (uint32) -> its four bf16x2 bit patterns: pair j holds values 2j and
-    2j + 1, each e2m1 value placed as bf16 bits (c & 8) << 12 | (c & 7) << 6 = value * 2^-126."""
-    p0 = w & 0x81C081C0
-    p1 = (w << 3) & 0x81C081C0
-    p2 = (w << 6) & 0x81C081C0
-    p3 = ((w << 1) & 0x80008000) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)
+    2j + 1, each e2m1 value placed as bf16 bits (c & 8) << 12 | (c & 7) << 6 = value * 2^-126.
+    The placement is formats._WORD_PAIRS: pairs 0-2 a rotate and a mask, pair 3 a rotate and two
+    masks, 9 integer instructions (SASS) a word. The bits that the rotates by 2 and 6 wrap around
+    are masked off, so pairs 0, 1 are plain shifts (ptxas may issue those as IMAD.SHL on the FMA pipe,
+    easing the integer ALU pipe that the other decode instructions share)."""
+    p0 = (w << 2) & 0x81C081C0
+    p1 = (w << 6) & 0x81C081C0
+    p2 = ((w << 12) | (w >> 20)) & 0x81C081C0
+    p3 = (w & 0x81808180) | (((w << 8) | (w >> 24)) & 0x00400040)
     return p0, p1, p2, p3
 
 
 def mxfp4_words_ptx(word: str, outs: tuple[str, str, str, str], scales: tuple[str, str, str, str]) -> str:
     """PTX of mxfp4_word_pairs on register ``word``: out j = pair j times bf16x2 register scales[j]
-    (temporaries t, u must be declared by the caller)."""
-    pairs = [f"and.b32 t, {word}, 0x81C081C0;",
-             f"shl.b32 t, {word}, 3;\nand.b32 t, t, 0x81C081C0;",
+    (temporaries t, u must be declared by the caller). ``shf.l.wrap`` is the rotate and the rotate by
+    8 of pair 3 a byte permute; pairs 0, 1 shift (see mxfp4_word_pairs)."""
+    pairs = [f"shl.b32 t, {word}, 2;\nand.b32 t, t, 0x81C081C0;",
              f"shl.b32 t, {word}, 6;\nand.b32 t, t, 0x81C081C0;",
-             f"shl.b32 t, {word}, 1;\nand.b32 t, t, 0x80008000;\nshr.b32 u, {word}, 3;\nand.b32 u, u, 0x01800180;\n"
-             f"or.b32 t, t, u;\nshr.b32 u, {word}, 7;\nand.b32 u, u, 0x00400040;\nor.b32 t, t, u;"]
+             f"shf.l.wrap.b32 t, {word}, {word}, 12;\nand.b32 t, t, 0x81C081C0;",
+             f"prmt.b32 u, {word}, {word}, 0x2103;\nand.b32 u, u, 0x00400040;\nand.b32 t, {word}, 0x81808180;\n"
+             f"or.b32 t, t, u;"]
     return "".join(f"{p}\nmul.rn.bf16x2 {o}, t, {sc};\n" for p, o, sc in zip(pairs, outs, scales))
 
 
