@@ -102,10 +102,16 @@ def assert_within_ulp(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
                            f"{dtype} ulp, worst {(a - e).abs().max().item():.3g}")
 
 
+# On a GPU the kernel rounds the softmax probabilities to bf16 for the P @ V tensor-core product
+# (2^-9 relative each), so an output near zero may be off by a few thousandths of the largest value;
+# the interpreter keeps them fp32.
+ATTENTION_ATOL = 5e-3 if DEVICE == "cuda" else 1e-3
+
+
 def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """bf16 output [n, H*D] vs fp32 reference [n, H, D]: 1% relative, atol 0.1% of the largest value."""
+    """bf16 output [n, H*D] vs fp32 reference [n, H, D]: 1% relative, atol ATTENTION_ATOL of the largest value."""
     e = expected.reshape(out.shape[0], -1).cpu()
-    torch.testing.assert_close(out.float().cpu(), e, rtol=1e-2, atol=1e-3 * e.abs().max().item(), msg=what)
+    torch.testing.assert_close(out.float().cpu(), e, rtol=1e-2, atol=ATTENTION_ATOL * e.abs().max().item(), msg=what)
 
 
 # ---- add + RMSNorm -------------------------------------------------------------------------------------
