@@ -280,10 +280,15 @@ def pack_mxfp4_words(packed: torch.Tensor) -> torch.Tensor:
     at a time (the int32 temporaries of a real expert table would not fit)."""
     rows = packed.reshape(-1, packed.shape[-1])
     out = torch.empty(rows.shape[0], rows.shape[1] // 4, dtype=torch.int32, device=packed.device)
-    chunk = max(1, 2**24 // max(1, rows.shape[1]))
-    for r in range(0, rows.shape[0], chunk):
-        out[r:r + chunk] = _pack_words(rows[r:r + chunk])
+    _by_chunks(_pack_words, rows, out, max(1, 2**24 // max(1, rows.shape[1])))
     return out.reshape(*packed.shape[:-1], -1)
+
+
+def _by_chunks(fn, src: torch.Tensor, out: torch.Tensor, rows: int) -> None:
+    """out[i:i + rows] = fn(src[i:i + rows]) down dimension 0: the packers' int64 temporaries stay
+    bounded (those of a whole 128-expert table would not fit)."""
+    for i in range(0, src.shape[0], rows):
+        out[i:i + rows] = fn(src[i:i + rows])
 
 
 # mxfp4_words bit placement: pair j (the bf16x2 register of a word's values 2j, 2j + 1) is the OR of
@@ -476,8 +481,7 @@ def pack_mxfp8_words(codes: torch.Tensor) -> torch.Tensor:
     0x07000700`` values (2, 3), as bf16x2 pairs of v * 2^-120. A bounded number of words at a time."""
     flat = codes.reshape(-1, 4)
     out = torch.empty(flat.shape[0], dtype=torch.int32, device=codes.device)
-    for i in range(0, flat.shape[0], 2**24):
-        out[i:i + 2**24] = _pack_fp8_words(flat[i:i + 2**24])
+    _by_chunks(_pack_fp8_words, flat, out, 2**24)
     return out.reshape(*codes.shape[:-1], codes.shape[-1] // 4)
 
 
@@ -494,8 +498,7 @@ def unpack_mxfp8_words(words: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_mxfp8_words``: int32 [..., m] -> e4m3 bytes (uint8) [..., 4m]."""
     flat = words.reshape(-1)
     out = torch.empty(flat.numel(), 4, dtype=torch.uint8, device=words.device)
-    for i in range(0, flat.numel(), 2**24):
-        out[i:i + 2**24] = _unpack_fp8_words(flat[i:i + 2**24])
+    _by_chunks(_unpack_fp8_words, flat, out, 2**24)
     return out.reshape(*words.shape[:-1], words.shape[-1] * 4)
 
 

@@ -5,6 +5,7 @@ import torch
 
 from minimax_ops import formats as F
 from minimax_ops.constants import E8M0_BIAS, MX_BLOCK
+from utils import rel_err
 
 # The 16 e2m1 codes by value: bit 3 is the sign, bits 0-2 index the magnitudes.
 E2M1_CODE_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -15,10 +16,6 @@ EXPONENTS = [-120, -60, -7, 0, 5, 60, 100]
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---- MXFP4 -------------------------------------------------------------------------------------
@@ -148,7 +145,7 @@ def test_quantize_random_error_bounds(fmt, bound, block_bound):
     w, s = F.quantize(x, fmt)
     y = F.dequantize(w, s)
     assert torch.isfinite(y).all()
-    assert _rel(y, x) < bound
+    assert rel_err(y, x) < bound
     # Row-wise too: no row is badly off.
     row_err = (y - x).norm(dim=-1) / x.norm(dim=-1)
     assert row_err.max() < 1.25 * bound

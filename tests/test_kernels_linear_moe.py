@@ -22,6 +22,7 @@ from minimax_ops.kernels.moe import moe_experts
 from minimax_ops.kernels.router import route
 from minimax_ops.kernels.tiles import ExpertTiles, GemvConfig, RouterConfig
 from minimax_ops.kernels.mx_linear import mx_linear
+from utils import rel_err
 
 # Storage layouts (formats.LAYOUTS): mxfp4w = MXFP4 words; *_t = tiled (16-row, 32-wide tiles here).
 FORMATS = ["bf16", "mxfp8", "mxfp4", "mxfp4w", "bf16_t", "mxfp8_t", "mxfp4_t"]
@@ -35,10 +36,6 @@ def kernel_layout(w: torch.Tensor, s: torch.Tensor | None, fmt: str, tiles=TEST_
     if fmt.endswith("_t"):
         return to_layout(w, s, tiles, rank=w.dim())
     return w, s
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def make_weight(n: int, k: int, fmt: str, device: str, scale: float = 0.3, lead: tuple[int, ...] = ()):

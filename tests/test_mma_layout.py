@@ -20,12 +20,9 @@ from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, lo
 from minimax_ops.kernels.moe import moe_experts
 from minimax_ops.kernels.tiles import mma_expert_tiles
 from minimax_ops.weights import to_kernel_layout
+from utils import rel_err
 
 H, I, E, K = 256, 128, 8, 2
-
-
-def rel_err(got, want) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def _mx4(*shape, scale=0.5):

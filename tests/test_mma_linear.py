@@ -14,10 +14,7 @@ from minimax_ops.formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA, dequantize, quanti
 from minimax_ops.kernels.linear_mma import mma_linear
 from minimax_ops.kernels.mx_linear import mx_linear
 from minimax_ops.kernels.tiles import MmaLinearTiles, mma_linear_tiles
-
-
-def rel_err(got, want) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+from utils import rel_err
 
 
 def _weight(fmt, n, k, device):

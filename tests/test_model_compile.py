@@ -25,6 +25,7 @@ from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import SPARSE_MOE, preset
 from minimax_ops.model import MiniMaxM3ForCausalLM
 from minimax_ops.weights import random_model_weights
+from utils import rel_err
 
 CFG = preset("tiny")  # layer 0 dense, layers 1-2 sparse MoE; 16-token blocks, top-4 blocks
 BS, NUM_BLOCKS = CFG.sparse_block_size, 32
@@ -146,10 +147,6 @@ def run() -> Run:
     return result
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
 
@@ -166,7 +163,7 @@ def test_compiled_equals_eager_equals_reference(run, step):
     # Same custom ops on the same inputs: Inductor only schedules them, so the logits agree bit for bit.
     assert torch.equal(compiled, eager)
     real = meta.slot_mapping >= 0  # padding rows carry no meaning
-    assert _rel(eager[real], reference[real]) < 1e-2
+    assert rel_err(eager[real], reference[real]) < 1e-2
     assert not real.all(), "every step has padding rows"
 
 

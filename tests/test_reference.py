@@ -12,6 +12,7 @@ from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import preset
 from minimax_ops.formats import dequantize, quantize
 from minimax_ops.weights import SHARED_IN_TABLE, SHARED_SEPARATE, random_layer_weights, random_model_weights
+from utils import rel_err
 
 CFG = preset("tiny")  # 8 q heads / 2 kv heads, head_dim 32, rotary 16, 16-token blocks, top-4
 BS = CFG.sparse_block_size
@@ -23,10 +24,6 @@ DENSE_LAYER = 0
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _random_kv(num_blocks: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
@@ -153,7 +150,7 @@ def test_linear_matches_dequantized_weights():
     for fmt in ("bf16", "mxfp8", "mxfp4"):
         qw, qs = quantize(w, fmt)
         want = x.double() @ dequantize(qw, qs).double().T
-        assert _rel(ref.linear(x, qw, qs), want) < 1e-6
+        assert rel_err(ref.linear(x, qw, qs), want) < 1e-6
 
 
 # ---- attention -----------------------------------------------------------------------------------------
@@ -171,7 +168,7 @@ def test_dense_attention_matches_float64(kv_dtype, k_scale, v_scale):
     q = torch.randn(meta.num_tokens, H, D, generator=g)
     got = ref.dense_attention(q, kv, meta.block_table, meta.seq_lens, 3, k_scale, v_scale)
     want = _attention64(q, kv, meta, k_scale=k_scale, v_scale=v_scale)
-    assert _rel(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     assert (got[-3:] == 0).all()  # padding rows
 
 
@@ -191,7 +188,7 @@ def test_sparse_attention_with_all_blocks_equals_dense():
     sparse = ref.sparse_attention(q, kv, meta.block_table, meta.seq_lens, ids, 3)
     dense = ref.dense_attention(q, kv, meta.block_table, meta.seq_lens, 3)
     assert torch.allclose(sparse, dense, rtol=1e-5, atol=1e-6)
-    assert _rel(dense, _attention64(q, kv, meta)) < 1e-5
+    assert rel_err(dense, _attention64(q, kv, meta)) < 1e-5
 
 
 def test_sparse_attention_attends_only_selected_blocks():
@@ -209,8 +206,8 @@ def test_sparse_attention_attends_only_selected_blocks():
     got = ref.sparse_attention(q, kv, meta.block_table, meta.seq_lens, ids, 2)
     allowed = lambda i, h: {b for b in ids[i, h].tolist() if b >= 0}  # noqa: E731
     want = _attention64(q, kv, meta, blocks=allowed)
-    assert _rel(got, want) < 1e-5
-    assert _rel(got, ref.dense_attention(q, kv, meta.block_table, meta.seq_lens, 2)) > 1e-2
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, ref.dense_attention(q, kv, meta.block_table, meta.seq_lens, 2)) > 1e-2
 
 
 # ---- indexer --------------------------------------------------------------------------------------------
@@ -339,7 +336,7 @@ def test_multi_token_step_equals_one_token_at_a_time(layer):
         step = build_step([c + j for c in ctx], 1, block_size=BS, num_blocks=40, block_ids=blocks)
         rows = torch.arange(len(ctx)) * q_len + j
         single = rm.attention_block(h[rows], w, one, step, CFG, act_dtype=None)
-        assert _rel(single, together[rows]) < 1e-5, f"token {j} of each request differs"
+        assert rel_err(single, together[rows]) < 1e-5, f"token {j} of each request differs"
     # Same caches afterwards (up to a bf16 rounding flip from fp32 matmul order).
     assert torch.allclose(one.kv.float(), caches.kv.float(), rtol=1e-2, atol=1e-2)
     if one.index is not None:
@@ -428,19 +425,19 @@ def test_decode_after_prefill_equals_longer_prefill():
     caches = allocate_caches(CFG, num_blocks, fill="nan")  # NaN poison: any unwritten read shows
     pre = build_step([0], [length], block_size=BS, num_blocks=num_blocks, generator=_gen(18))
     prefill = rm.model_forward(tokens[:length], weights, caches, pre, CFG, act_dtype=None)
-    assert _rel(prefill, full[:length]) < 1e-4
+    assert rel_err(prefill, full[:length]) < 1e-4
     # One decode token, with a padding request alongside.
     dec = build_step([length], 1, block_size=BS, num_blocks=num_blocks, pad_requests=1,
                      block_ids=request_block_ids(pre, BS))
     ids = torch.cat([tokens[length:length + 1], torch.randint(0, CFG.vocab_size, (1,), generator=g)])
     logits = rm.model_forward(ids, weights, caches, dec, CFG, act_dtype=None)
-    assert _rel(logits[0], full[length]) < 1e-4
+    assert rel_err(logits[0], full[length]) < 1e-4
     assert torch.isfinite(logits).all()
     # The default bf16 activation rounding stays close.
     caches_bf16 = allocate_caches(CFG, num_blocks, fill="nan")
     rm.model_forward(tokens[:length], weights, caches_bf16, pre, CFG)
     logits_bf16 = rm.model_forward(ids, weights, caches_bf16, dec, CFG)
-    assert _rel(logits_bf16[0], full[length]) < 5e-2
+    assert rel_err(logits_bf16[0], full[length]) < 5e-2
 
 
 def test_speculative_decode_after_prefill_equals_longer_prefill():
@@ -456,7 +453,7 @@ def test_speculative_decode_after_prefill_equals_longer_prefill():
     rm.model_forward(tokens[:length], weights, caches, pre, CFG, act_dtype=None)
     dec = build_step([length], q_len, block_size=BS, num_blocks=num_blocks, block_ids=request_block_ids(pre, BS))
     logits = rm.model_forward(tokens[length:], weights, caches, dec, CFG, act_dtype=None)
-    assert _rel(logits, full[length:]) < 1e-4
+    assert rel_err(logits, full[length:]) < 1e-4
 
 
 # ---- router and experts -----------------------------------------------------------------------------------
@@ -530,10 +527,10 @@ def test_moe_experts_shared_in_table_equals_separate(fmt):
     routed = (every.gather(1, ids.long()[..., None].expand(-1, -1, CFG.hidden_size))
               * weights.double()[..., None]).sum(1)
     shared = _mlp64(h, w.shared_w13, w.shared_w13_scale, w.shared_w2, w.shared_w2_scale)
-    assert _rel(separate, routed + shared) < 1e-5
+    assert rel_err(separate, routed + shared) < 1e-5
     # Without a shared expert only the routed part remains.
     alone = ref.moe_experts(h, ids, weights, w.w13, w.w13_scale, w.w2, w.w2_scale, **kw)
-    assert _rel(alone, routed) < 1e-5
+    assert rel_err(alone, routed) < 1e-5
 
 
 def test_random_layer_weights_shared_in_table():

@@ -92,7 +92,7 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     m, k = x.shape
     n = weight.shape[-3] * MMA_ROWS
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if m == 0:
+    if m == 0 or n == 0:
         return out
     fp8 = fmt == FMT_MXFP8_MMA
     ptx = use_ptx(x.device)

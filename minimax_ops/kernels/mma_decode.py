@@ -16,8 +16,8 @@ columns (128-bit words; the lane's 4 scale bytes as one uint8 [R, 4] load, which
 one register), so Triton gives each thread one row: the inline PTX relies on that, and nothing
 after it reshapes or reduces across rows. (A scale word broadcast over the columns once made
 Triton choose a row-major layout for small launches; tests/test_kernels_aot.py compiles every PTX
-launch and checks the layout, the GPU tests check the results against the reference.) The accumulator's register e of lane
-(g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
+launch and checks the layout, the GPU tests check the results against the reference.) The
+accumulator's register e of lane (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
 
 An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 128-bit loads): per
 k-step a word of row g and one of row g + 8, 4 values each, decoded with 5 integer instructions
@@ -339,7 +339,6 @@ def fold(acc, NW: tl.constexpr, DEPTH: tl.constexpr):
 def warp_rows(NW: tl.constexpr, DEPTH: tl.constexpr):
     """Warp index of each row of a fragment-order [DEPTH * NW * 32, 4] tensor, [R, 1]."""
     return (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32
-
 
 
 def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

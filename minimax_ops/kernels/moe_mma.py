@@ -28,7 +28,7 @@ from .expert_slots import columns_of, slot_weights, swiglu_oai
 from .mma_decode import TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, warp_rows
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import portable_mma_tiles
+from .tiles import mma_expert_tiles, portable_mma_tiles
 
 
 @triton.jit
@@ -228,10 +228,10 @@ def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
     return fmt == FMT_MXFP8_MMA and n_tokens > 8 and ptx
 
 
-def _prefetch(t, ptx: bool) -> int:
-    """L2 prefetch distance in load steps (CUDA only: the prefetch is PTX); ExpertTiles.num_stages
-    carries it for these kernels."""
-    return max(0, t.num_stages - 1) if ptx else 0
+def _prefetch(t) -> int:
+    """L2 prefetch distance in load steps: ExpertTiles.num_stages carries it for these kernels
+    (portable tiles have none: the prefetch is PTX)."""
+    return max(0, t.num_stages - 1)
 
 
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
@@ -264,7 +264,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
-        NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13, ptx), num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
+        NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
+        num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -272,7 +273,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a32, ids, w, s, sw, ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2, ptx), num_warps=nw2, num_stages=1, launch_pdl=pdl, **common)
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), num_warps=nw2, num_stages=1,
+        launch_pdl=pdl, **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -287,7 +289,6 @@ def aot_specs() -> list[KernelSpec]:
     """Both kernels with the default tiles (and w13 split in two): MXFP4 at both sizes in every
     shared-expert mode, MXFP8 in the table (paired token groups) and merged modes; the inline-PTX
     decode (with and without PDL) for CUDA, the portable one everywhere (MXFP8: small size only)."""
-    from .tiles import mma_expert_tiles
     common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
                   "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
@@ -318,10 +319,10 @@ def aot_specs() -> list[KernelSpec]:
                     specs.append(KernelSpec(
                         _mma_w13_kernel, sig13,
                         dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
-                             SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13, ptx)),
+                             SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13)),
                         num_warps=t13.num_warps, num_stages=1, targets=targets, name=f"mma_w13_{label}_s{split}"))
                 specs.append(KernelSpec(
                     _mma_w2_kernel, sig2,
-                    dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2, ptx)),
+                    dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),
                     num_warps=t2.num_warps, num_stages=1, targets=targets, name=f"mma_w2_{label}_s{t2.split}"))
     return specs

@@ -90,8 +90,8 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     """y [M, N] = x [M, K] @ dequant(weight, scale)^T, fp32 accumulation, cast to out_dtype.
 
     (weight, scale) in any layout of formats.LAYOUTS (bf16, MXFP8, MXFP4 canonical, words or tiled;
-    a tiled weight fixes BLOCK_N and BLOCK_K; the mma layouts run linear_mma.py's kernel). ``config`` overrides the tile heuristic (tuning,
-    tests). ``pdl``: launch as a programmatic dependent of the previous kernel on the stream
+    a tiled weight fixes BLOCK_N and BLOCK_K; the mma layouts run linear_mma.py's kernel). ``config``
+    overrides the tile heuristic (tuning, tests). ``pdl``: launch as a programmatic dependent of the previous kernel on the stream
     (griddepcontrol; CUDA sm_90+ only, ignored elsewhere)."""
     check_rows("x", x, shape="[M, K]", dim="K")
     m, k = x.shape
@@ -99,11 +99,11 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     fmt, n = lw.layout.code, lw.n
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+    if lw.layout.mma:  # (allocates its own output)
+        return mma_linear(x, weight, scale, fmt, out_dtype, pdl=pdl)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if lw.layout.mma:
-        return mma_linear(x, weight, scale, fmt, out_dtype, pdl=pdl)
     cfg = config or gemv_config(fmt, m, n, k, num_sms(x.device))
     if lw.tiles is not None:
         cfg = dataclasses.replace(cfg, block_n=lw.tiles[0], block_k=lw.tiles[1])

@@ -179,6 +179,7 @@ class MmaLinearTiles:
     split: int  # K splits (each a whole number of load steps)
 
 
+@functools.lru_cache(maxsize=None)  # every decode step asks, with the same few shapes
 def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
     """Tiles of an mma-layout GEMV [N, K]: the format's row blocks per program and depth, K split
     (into whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs."""
@@ -191,6 +192,7 @@ def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
     return MmaLinearTiles(warps, depth, prefetch, split)
 
 
+@functools.lru_cache(maxsize=None)
 def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False) -> ExpertTiles:
     """Tiles of an mma-layout expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
     rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
