@@ -9,7 +9,9 @@ That is only safe where the launch order is known, i.e. inside the fused op: the
 launch plainly. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
 ``kernel_stages(w)`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
-chain (ops/chain.py) runs on either; inputs were checked by the fused op before the first launch.
+chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
+offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), which the
+chain takes when offered. Inputs were checked by the fused op before the first launch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..reference import swiglu_oai
 
-from . import attention, index_topk, moe, mx_linear, norm, qk_norm_rope, router
+from . import attention, index_topk, moe, mx_linear, norm, qkv_mma, router
 
 
 def _out_dtype(out_fp32: bool) -> torch.dtype:
@@ -36,24 +38,9 @@ def _mx_linear(x, weight, scale, out_fp32=False):
     return mx_linear.mx_linear(x, weight, scale, out_dtype=_out_dtype(out_fp32), pdl=True)
 
 
-def _qk_norm_rope_kv_index_insert(qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
-                                  index_k_norm, kv_cache, index_cache, num_heads, num_kv_heads, head_dim, rotary_dim,
-                                  rope_theta, eps, index_heads, index_dim, k_scale=1.0, v_scale=1.0):
-    return qk_norm_rope.qk_norm_rope_insert(
-        qkv, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm, index_k_norm, kv_cache,
-        index_cache, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
-        v_scale=v_scale, pdl=True)
-
-
-def _qk_norm_rope_kv_insert(qkv, positions, slot_mapping, q_norm, k_norm, kv_cache, num_heads, num_kv_heads,
-                            head_dim, rotary_dim, rope_theta, eps, k_scale=1.0, v_scale=1.0):
-    return qk_norm_rope.qk_norm_rope_insert(
-        qkv, positions, slot_mapping, None, q_norm, k_norm, None, None, kv_cache, None, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_theta=rope_theta, eps=eps,
-        k_scale=k_scale, v_scale=v_scale, pdl=True)[0]
-
-
+def _qkv_norm_rope_insert(*args, **kwargs):
+    # The qkv GEMV and the qk norm / RoPE / cache insert in one kernel where the weights allow it.
+    return qkv_mma.qkv_norm_rope_insert(*args, **kwargs, pdl=True)
 
 
 def _route(h, gate, gate_bias, top_k, scaling):
@@ -98,7 +85,7 @@ def kernel_stages(w: dict) -> SimpleNamespace:
                                                 pdl=True, prefetch=o_proj if on else None)
 
     return SimpleNamespace(
-        add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qk_norm_rope_kv_index_insert=_qk_norm_rope_kv_index_insert,
-        qk_norm_rope_kv_insert=_qk_norm_rope_kv_insert, index_topk=index_topk_,
+        add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
+        index_topk=index_topk_,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, mlp=_mlp)

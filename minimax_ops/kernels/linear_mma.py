@@ -7,6 +7,8 @@ split of K for the step's tokens, 8 a group, two groups per weight load (so 9..1
 weights once). One split stores y; several store fp32 partials and the last split of a group to
 finish sums them in a fixed order (splitk.py). Launched as a programmatic dependent, a program
 asks L2 for its first load steps before it waits for x. Tiles come from tiles.mma_linear_tiles.
+The program is a @triton.jit function of its own (``mma_linear_program``): qkv_mma runs it with
+the qk-norm / RoPE / cache insert as its epilogue.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles
 
 
 @triton.jit
-def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
+def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
-    """x_ptr: int32 view of x [M, K] (stride_xm in words); w / s: int32 words [N/16, K/64, 128 | 256]
-    and scale bytes [N/16, K/64, 32] (row-block strides in their units); out [M, N]; part [SPLIT, M, N] fp32."""
+    """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
+    int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
+    units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
+    columns of out complete (one split: every program; else the last to arrive), so a caller can
+    run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads)."""
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
@@ -68,20 +73,60 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, part.to(out_ptr.dtype.element_ty), mask=ok)
             else:
                 tl.store(part_ptr + tl.program_id(1) * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
+    done = tl.program_id(1) == 0
     if SPLIT > 1:
-        if last_arrival(cnt_ptr + tl.program_id(0), SPLIT):
+        done = last_arrival(cnt_ptr + tl.program_id(0), SPLIT)
+        if done:
             for m0 in range(0, M, TOKENS):
                 tok = m0 + 2 * c1 + e1 % 2
                 ok = (tok < M) & (n_out < N)
                 total = sum_splits(part_ptr + tok.to(tl.int64) * N + n_out, ok, mn, SPLIT, SPLIT_POW2)
                 tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, total.to(out_ptr.dtype.element_ty), mask=ok)
+    return done
 
 
-def _aligned_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel reads it: 16-byte aligned rows of 32-bit pairs (a copy otherwise)."""
+@triton.jit
+def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
+                       stride_xm, stride_wb, stride_sb, stride_om,
+                       NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
+                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+    """Grid (groups of NW row blocks, SPLIT); arguments as mma_linear_program's."""
+    mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
+                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8)
+
+
+def linear_tiles(n: int, k: int, device: torch.device, fp8: bool,
+                 tiles: MmaLinearTiles | None = None) -> tuple[MmaLinearTiles, bool]:
+    """(tiles, PTX decode) of an mma-layout GEMV [N, K] on ``device``: ``tiles`` or the heuristic's,
+    the portable ones where the PTX does not run (shared with qkv_mma, whose GEMV must match)."""
+    ptx = use_ptx(device)
+    t = tiles or mma_linear_tiles(n, k, num_sms(device), fp8)
+    if not ptx:
+        t = portable_mma_tiles(t)
+    blocks = k // MMA_K
+    if blocks % (t.split * t.depth):
+        raise ValueError(f"tiles: {t.split} splits x depth {t.depth} must divide the {blocks} K blocks")
+    return t, ptx
+
+
+def split_buffers(device: torch.device, groups: int, split: int, m: int, n: int,
+                  out: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(split, fp32 partials, arrival counters) for a launch of ``groups`` x ``split`` programs: one
+    split (partials = out) where no counters are to be had (the first call inside a graph capture)."""
+    counters = split_counters(device, groups) if split > 1 else None
+    if counters is None:
+        return 1, out, None
+    return split, torch.empty(split, m, n, dtype=torch.float32, device=device), counters
+
+
+def aligned_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 as the kernels read it: an int32 view of 16-byte aligned rows of 32-bit pairs
+    (copied where x is not so)."""
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
-    return x
+    x32 = x.view(torch.int32)
+    check_aligned("x", x32.unsqueeze(-1))
+    return x32
 
 
 def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, out_dtype: torch.dtype,
@@ -95,25 +140,14 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     if m == 0 or n == 0:
         return out
     fp8 = fmt == FMT_MXFP8_MMA
-    ptx = use_ptx(x.device)
-    t = tiles or mma_linear_tiles(n, k, num_sms(x.device), fp8)
-    if not ptx:
-        t = portable_mma_tiles(t)
-    blocks = k // MMA_K
-    if blocks % (t.split * t.depth):
-        raise ValueError(f"tiles: {t.split} splits x depth {t.depth} must divide the {blocks} K blocks")
-    split = t.split
+    t, ptx = linear_tiles(n, k, x.device, fp8, tiles)
     w, s = mma_operands("weight", weight, scale)
-    x32 = _aligned_x(x).view(torch.int32)
-    check_aligned("x", x32.unsqueeze(-1))
+    x32 = aligned_x(x)
     groups = triton.cdiv(n // MMA_ROWS, t.num_warps)
-    counters = split_counters(x.device, groups) if split > 1 else None
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    if split > 1 and counters is None:  # (first call inside a graph capture): one split
-        split, part = 1, out
+    split, part, counters = split_buffers(x.device, groups, t.split, m, n, out)
     pdl = pdl and pdl_supported(x.device)
     _mma_linear_kernel[(groups, split)](
-        x32, w, s, out, part, counters if counters is not None else s, m, n, blocks,
+        x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl)

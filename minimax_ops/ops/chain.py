@@ -51,9 +51,30 @@ def _heads(c):
     return c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.eps
 
 
-def _qkv(x, residual, w, c, mm):
+def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c, mm):
+    """Input norm, the qkv projection and the qk norm / RoPE / cache insert -> (q, index_q or None,
+    residual); index_slot_mapping None: a dense layer. A kernel namespace (``ops``) may offer the
+    projection and the insert as one step, ``qkv_norm_rope_insert`` (the signature of
+    kernels/qkv_mma.py's); the vocabulary has two ops."""
     h, residual = mm.add_rmsnorm(x, residual, w["input_norm"], c.eps)
-    return mm.mx_linear(h, w["qkv"], w["qkv_scale"]), residual
+    sparse = index_slot_mapping is not None
+    one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
+    if one_step is not None:
+        index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
+        q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
+                              w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
+                              **dict(zip(("num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "eps"),
+                                         _heads(c))), **index, k_scale=c.k_scale, v_scale=c.v_scale)
+        return q, index_q, residual
+    qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
+    if sparse:
+        q, index_q = mm.qk_norm_rope_kv_index_insert(
+            qkv, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
+            w["index_k_norm"], kv_cache, index_cache, *_heads(c), c.index_heads, c.index_dim, c.k_scale, c.v_scale)
+        return q, index_q, residual
+    q = mm.qk_norm_rope_kv_insert(qkv, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache, *_heads(c),
+                                  c.k_scale, c.v_scale)
+    return q, None, residual
 
 
 def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, block_table, seq_lens, kv_cache,
@@ -62,10 +83,8 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
     ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(w), same signatures."""
     mm = ops or MM
-    qkv, residual = _qkv(x, residual, w, c, mm)
-    q, index_q = mm.qk_norm_rope_kv_index_insert(
-        qkv, positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"], w["index_q_norm"],
-        w["index_k_norm"], kv_cache, index_cache, *_heads(c), c.index_heads, c.index_dim, c.k_scale, c.v_scale)
+    q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
+                                           index_cache, w, c, mm)
     if query_lens is not None:
         attn = mm.attention_any_step(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens,
                                      c.topk_blocks, c.k_scale, c.v_scale)
@@ -80,9 +99,7 @@ def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens,
                     query_lens: list[int] | None = None, ops=None):
     """Steps 1-7 of a dense layer (full GQA attention) -> (o unreduced, residual)."""
     mm = ops or MM
-    qkv, residual = _qkv(x, residual, w, c, mm)
-    q = mm.qk_norm_rope_kv_insert(qkv, positions, slot_mapping, w["q_norm"], w["k_norm"], kv_cache, *_heads(c),
-                                  c.k_scale, c.v_scale)
+    q, _, residual = _project_insert(x, residual, positions, slot_mapping, None, kv_cache, None, w, c, mm)
     if query_lens is not None:
         attn = mm.attention_any_step(q, None, kv_cache, None, block_table, seq_lens, query_lens, 1, c.k_scale,
                                      c.v_scale)
