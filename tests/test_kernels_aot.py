@@ -132,14 +132,15 @@ FRAGMENT_PROBE = textwrap.dedent('''
     import json, re
     import triton
     from triton.backends.compiler import GPUTarget
-    from minimax_ops.kernels import aot_check, linear_mma, moe_mma
+    from minimax_ops.kernels import aot_check, linear_mma, moe_mma, qkv_mma
 
     # Divisibility the launches guarantee (mma_decode.check_aligned checks strides; Triton specialises
     # pointers and integers divisible by 16).
     SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared", "N")
     out = {}
-    for spec in moe_mma.aot_specs() + linear_mma.aot_specs():
-        if not spec.constexprs["PTX"] or spec.constexprs["PDL"]:
+    for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs():
+        # (qkv_mma: its GEMV with the norm / RoPE / insert epilogue, whose layout must not leak into it)
+        if not spec.constexprs["PTX"] or spec.constexprs["PDL"] or spec.constexprs.get("SEG_TOKENS", 1) != 1:
             continue
         names = list(spec.signature)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -149,9 +150,9 @@ FRAGMENT_PROBE = textwrap.dedent('''
                                         constexprs=aot_check.constexpr_values(spec), attrs=attrs)
         ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ttgir"]
-        layouts = dict(re.findall(r"(#blocked[0-9]*) = (#ttg.blocked<[^>]*>)", ttgir))
+        layouts = dict(re.findall(r"(#(?:blocked|linear)[0-9]*) = (#ttg.(?:blocked|linear)<[^>]*>)", ttgir))
         found = [layouts[m.group(1)] for m in re.finditer(
-            r"elementwise_inline_asm [^\\n]*mma.sync[^\\n]*-> tensor<[^,]*, (#blocked[0-9]*)>", ttgir)]
+            r"elementwise_inline_asm [^\\n]*mma.sync[^\\n]*-> tensor<[^,]*, (#(?:blocked|linear)[0-9]*)>", ttgir)]
         out[spec.label()] = found
     print(json.dumps(out))
 ''')
@@ -170,4 +171,14 @@ def test_mma_block_product_gets_the_fragment_layout(tmp_path):
     assert out and all(out.values()), out
     for label, layouts in out.items():
         for layout in layouts:
-            assert "sizePerThread = [1, 4]" in layout and "threadsPerWarp = [32, 1]" in layout, (label, layout)
+            assert _one_row_per_lane(layout), (label, layout)
+
+
+def _one_row_per_lane(layout: str) -> bool:
+    """A [R, 4] layout giving each thread 4 consecutive registers of one row and consecutive lanes
+    consecutive rows: as a blocked layout, or as the linear layout Triton picks for row halves of
+    such a tensor (registers 0-3 = columns 0-3, lanes = rows 1, 2, 4, 8, 16)."""
+    if layout.startswith("#ttg.blocked"):
+        return "sizePerThread = [1, 4]" in layout and "threadsPerWarp = [32, 1]" in layout
+    return ("register = [[0, 1], [0, 2]" in layout
+            and "lane = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]]" in layout)

@@ -249,3 +249,56 @@ def test_kernel_layout_lays_mxfp8_weights_as_mma():
         kw, ks = getattr(k, name), getattr(k, f"{name}_scale")
         assert weight_layout(kw, ks, rank).name == "mxfp8_mma", name
         assert torch.equal(dequantize(kw, ks, rank), dequantize(weight, scale, rank)), name
+
+
+@pytest.mark.parametrize("n, shared", [(1, "table"), (5, "merged"), (3, "own")])
+def test_moe_invalid_ids_and_padding_rows(n, shared, device):
+    """Ids outside [0, routed experts) (-1, and past the shared expert's id) add nothing, a zero
+    padding row stays 0; with the shared expert in the table, merged into the routed launches, or
+    in launches of its own (an intermediate size the merge does not fit)."""
+    torch.manual_seed(40 + n)
+    hidden, inter = 128, 128
+    h = torch.randn(n, hidden, device=device).bfloat16()
+    ids, weights = _routing(n, device)
+    ids[0, K - 1] = -1
+    if n > 2:
+        ids[2, 0] = E + 2
+        h[n - 1] = 0
+        weights[n - 1] = 0
+    canonical, mma = _tables(device, E + (shared == "table"), shared != "table", 64 if shared == "own" else inter,
+                             "mxfp4", hidden, inter)
+    keep = torch.where((ids >= 0) & (ids < E), ids, 0)  # the reference takes valid ids; weight 0 adds nothing
+    want = ref.moe_experts(h, keep, torch.where(ids == keep, weights, 0.0), *canonical, num_routed_experts=E)
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2
+    if n > 2:
+        assert (out[n - 1] == 0).all()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
+    """The mxfp4_mma w13 streams each K block's gate and up blocks together (half the depth per
+    matrix, accumulators in depth / 2 sets): at depths 1, 2, 4 (one, two and four K blocks a step
+    of each matrix, 8 K blocks: several loop turns, an odd step count, a lone step) and 1 or 2 row
+    blocks per program it matches the reference and the two-stream kernel (on CPU too: the
+    emulation then runs these tiles rather than the portable ones)."""
+    from minimax_ops.kernels import moe_mma
+    monkeypatch.setattr(moe_mma, "portable_mma_tiles", lambda t: t)
+    torch.manual_seed(50 + n)
+    hidden, inter = 512, 64
+    h = torch.randn(n, hidden, device=device).bfloat16()
+    ids, weights = _routing(n, device)
+    canonical, mma = _tables(device, E + 1, False, fmt="mxfp4", hidden=hidden, inter=inter)
+    want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
+    base13 = mma_expert_tiles(hidden, True)
+    t2 = dataclasses.replace(mma_expert_tiles(inter, False), num_warps=1, k_chunks=1, num_stages=1)
+    for depth, warps in ((1, 2), (2, 1), (4, 2)):
+        t13 = dataclasses.replace(base13, k_chunks=depth, num_warps=warps, num_stages=1)  # (no L2 prefetch: PTX)
+        streams = {}
+        for paired in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(moe_mma, "mma_w13_paired", lambda fmt, n_tokens, paired=paired: paired)
+                streams[paired] = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
+        out, two_streams = streams[True], streams[False]
+        assert rel_err(out, want) < 1.5e-2, (depth, warps)
+        assert rel_err(out, two_streams) < 5e-3, (depth, warps)

@@ -242,17 +242,39 @@ def prefetch_step(w_ptrs, s_ptrs, w_lead, s_lead, step, n_steps, DEPTH: tl.const
 
 
 @triton.jit
-def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
-               GROUPS: tl.constexpr):
-    """Step ``step`` of block_stream's loads (clamped to the last step: a prefetch past the end
-    re-reads it, so no load needs a mask)."""
+def _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr,
+                      FP8: tl.constexpr, PAIR: tl.constexpr):
+    """prefetch_step of the stream, and with PAIR of the second one beside it."""
+    prefetch_step(w_pf, s_pf, w_lead, s_lead, step, n_steps, DEPTH, FP8)
+    if PAIR:
+        prefetch_step(w_pf + w_pair, s_pf + s_pair, w_lead, s_lead, step, n_steps, DEPTH, FP8)
+
+
+@triton.jit
+def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr):
+    """Words, FP8's second words (= the words for MXFP4) and scale bytes of the blocks at K block k."""
     WORDS: tl.constexpr = 256 if FP8 else 128
-    k = tl.minimum(step, n_steps - 1) * DEPTH
     w = tl.load(w_ptrs + k * WORDS)
     if FP8:
         w_hi = tl.load(w_ptrs + k * WORDS + 128)
     else:
         w_hi = w
+    return w, w_hi, tl.load(s_ptrs + k * 32)
+
+
+@triton.jit
+def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
+               GROUPS: tl.constexpr, PAIR: tl.constexpr):
+    """Step ``step`` of block_stream's loads (clamped to the last step: a prefetch past the end
+    re-reads it, so no load needs a mask): the weight blocks (words, FP8's second words, scales;
+    with PAIR the second stream's too, otherwise the first's again) and the x pairs of one or two
+    token groups."""
+    k = tl.minimum(step, n_steps - 1) * DEPTH
+    w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8)
+    if PAIR:
+        u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8)
+    else:
+        u, u_hi, us = w, w_hi, s
     x0 = tl.load(x_ptrs + k * 32)
     x1 = tl.load(x_ptrs + k * 32 + 16)
     if GROUPS == 2:
@@ -260,7 +282,7 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexp
         y1 = tl.load(y_ptrs + k * 32 + 16)
     else:
         y0, y1 = x0, x1
-    return w, w_hi, tl.load(s_ptrs + k * 32), x0, x1, y0, y1
+    return w, w_hi, s, u, u_hi, us, x0, x1, y0, y1
 
 
 @triton.jit
@@ -275,14 +297,59 @@ def stream_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.conste
 
 
 @triton.jit
+def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.constexpr, PTX: tl.constexpr,
+                  FP8: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, HALVES: tl.constexpr):
+    """One loaded step of NW * 32 rows into (acc, acc2): acc += w x; acc2 += w y (GROUPS = 2) or
+    u x (PAIR; with HALVES the step's two halves of rows one after the other into accumulators of
+    NW * 16 rows)."""
+    if HALVES:
+        R: tl.constexpr = NW * 16
+        w_0, w_1 = _halves(w, R)
+        h_0, h_1 = _halves(w_hi, R)
+        s_0, s_1 = _halves(s, R)
+        u_0, u_1 = _halves(u, R)
+        uh_0, uh_1 = _halves(u_hi, R)
+        us_0, us_1 = _halves(us, R)
+        x0_0, x0_1 = _halves(x0, R)
+        x1_0, x1_1 = _halves(x1, R)
+        acc = mma_block(acc, w_0, h_0, x0_0, x1_0, s_0, NW // 2, PTX, FP8)
+        acc2 = mma_block(acc2, u_0, uh_0, x0_0, x1_0, us_0, NW // 2, PTX, FP8)
+        acc = mma_block(acc, w_1, h_1, x0_1, x1_1, s_1, NW // 2, PTX, FP8)
+        acc2 = mma_block(acc2, u_1, uh_1, x0_1, x1_1, us_1, NW // 2, PTX, FP8)
+    else:
+        acc = mma_block(acc, w, w_hi, x0, x1, s, NW, PTX, FP8)
+        if GROUPS == 2:
+            acc2 = mma_block(acc2, w, w_hi, y0, y1, s, NW, PTX, FP8)
+        if PAIR:
+            acc2 = mma_block(acc2, u, u_hi, x0, x1, us, NW, PTX, FP8)
+    return acc, acc2
+
+
+@triton.jit
+def _halves(t, R: tl.constexpr):
+    """Fragment-order [2R, 4] -> rows [0, R) and [R, 2R), i.e. depths d < D/2 and d >= D/2: each
+    thread's own registers (no data moves)."""
+    a, b = tl.split(tl.permute(tl.reshape(t, [2, R, 4]), (1, 2, 0)))
+    return a, b
+
+
+@triton.jit
 def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
-                 SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1):
+                 SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
+                 w_pair=0, s_pair=0):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
     fragment order; rows of depth d accumulate blocks d, d + DEPTH, ..: ``fold`` sums them.
     n_steps >= 1.
+
+    PAIR (GROUPS = 1): a second weight stream, the row blocks w_pair words / s_pair scale bytes
+    after the first (w13's up rows beside its gate rows), times the same x registers into acc2:
+    one set of x loads feeds both mma chains, and neither result is held while the other streams.
+    A step then loads 2 * DEPTH blocks; with DEPTH > 1 acc and acc2 have DEPTH / 2 * NW * 32 rows
+    (set d sums blocks d and d + DEPTH / 2 of each step, fold with DEPTH / 2): the two streams keep
+    DEPTH mma chains in flight on half the accumulator registers (``pair_sets``).
 
     w_rows [DEPTH * NW * 32, 1]: int32 pointer to each warp's row block's first word (its K blocks
     follow each other, 128 words apart; 256 for FP8 = mxfp8_mma); s_rows: uint8 pointer to its first
@@ -292,6 +359,8 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     multiplied (registers, no shared memory); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is
     asked into L2 first, so those register loads wait on L2 rather than DRAM latency
     (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``)."""
+    tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
+    HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH
     WORDS: tl.constexpr = 256 if FP8 else 128
     d, g, c, e = fragment_index(NW, DEPTH)
     w_ptrs = w_rows + kb_begin * WORDS + ((g * 4 + c) * 4 + d * WORDS + e)
@@ -301,28 +370,34 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
     if PREFETCH > 0 and not SKIP_PREFETCH:
         for p in tl.static_range(PREFETCH):
-            prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
-    wa, ha, sa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 0, n_steps, DEPTH, FP8, GROUPS)
+            _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, p, n_steps, DEPTH, FP8, PAIR)
+    wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, 0,
+                                                              n_steps, DEPTH, FP8, GROUPS, PAIR)
     for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
         if PREFETCH > 0:
-            prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + PREFETCH, n_steps, DEPTH, FP8)
-        wb, hb, sb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, FP8,
-                                                    GROUPS)
-        acc = mma_block(acc, wa, ha, xa0, xa1, sa, NW * DEPTH, PTX, FP8)
-        if GROUPS == 2:
-            acc2 = mma_block(acc2, wa, ha, ya0, ya1, sa, NW * DEPTH, PTX, FP8)
+            _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + PREFETCH, n_steps, DEPTH, FP8,
+                              PAIR)
+        wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
+                                                                  2 * it + 1, n_steps, DEPTH, FP8, GROUPS, PAIR)
+        acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
+                                  GROUPS, PAIR, HALVES)
         if PREFETCH > 0:
-            prefetch_step(w_pf, s_pf, w_lead, s_lead, 2 * it + 1 + PREFETCH, n_steps, DEPTH, FP8)
-        wa, ha, sa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, FP8,
-                                                    GROUPS)
-        acc = mma_block(acc, wb, hb, xb0, xb1, sb, NW * DEPTH, PTX, FP8)
-        if GROUPS == 2:
-            acc2 = mma_block(acc2, wb, hb, yb0, yb1, sb, NW * DEPTH, PTX, FP8)
+            _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + 1 + PREFETCH, n_steps, DEPTH,
+                              FP8, PAIR)
+        wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
+                                                                  2 * it + 2, n_steps, DEPTH, FP8, GROUPS, PAIR)
+        acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
+                                  GROUPS, PAIR, HALVES)
     if n_steps % 2:
-        acc = mma_block(acc, wa, ha, xa0, xa1, sa, NW * DEPTH, PTX, FP8)
-        if GROUPS == 2:
-            acc2 = mma_block(acc2, wa, ha, ya0, ya1, sa, NW * DEPTH, PTX, FP8)
+        acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
+                                  GROUPS, PAIR, HALVES)
     return acc, acc2
+
+
+@triton.constexpr_function
+def pair_sets(depth):
+    """Accumulator sets per stream of a PAIR block_stream of depth ``depth`` (its rows / (NW * 32))."""
+    return depth // 2 if depth > 1 else 1
 
 
 @triton.jit

@@ -6,7 +6,14 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 - ``_mma_w13_kernel`` (slot, group of NW gate blocks, H split): warp w streams gate row block i and
   up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
   SwiGLU-OAI -> bf16 a[token, top-k column, i] (split: fp32 partials, the last split to finish sums
-  them in order).
+  them in order). MXFP4 steps of more than one token group stream the gate and up blocks of each
+  K block together (``PAIRED``, tiles.mma_w13_paired: block_stream's PAIR): one set of x registers
+  feeds both mma chains, each matrix at half the load depth (the same bytes per step) in half as
+  many accumulator sets, and no gate result is held while up streams: fewer registers, so 3
+  programs of 4 warps fit per SM instead of 2. One-token MXFP4 steps keep two streams at depth 8
+  (faster inside the fused layer, where the kernel is a programmatic dependent: BENCHMARKS.md);
+  MXFP8 (twice the bytes per block, shallower and split, already at 3+ programs per SM) and paired
+  token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
 Tokens go 8 per pass (the mma's N); steps of 9-16 tokens with mxfp8_mma tables go as two groups on
@@ -22,13 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FMT_MXFP8_MMA
+from ..formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import columns_of, slot_weights, swiglu_oai
-from .mma_decode import TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, warp_rows
+from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, pair_sets,
+                         warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import mma_expert_tiles, portable_mma_tiles
+from .tiles import mma_expert_tiles, mma_w13_paired, portable_mma_tiles
 
 
 @triton.jit
@@ -57,11 +65,20 @@ def _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED: tl.constexpr, TO
 
 
 @triton.jit
-def _store_gate_up(gate, up, m0, c1, e1, i_out, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+def _fragment_out(m0, NW: tl.constexpr):
+    """(token, output row) of each register of a folded [NW * 32, 4] fragment of token group m0 and
+    this program's NW row blocks (computed where they are stored: nothing held across the K loop)."""
+    d1, g1, c1, e1 = fragment_index(NW, 1)
+    return 2 * c1 + e1 % 2 + m0, (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
+
+
+@triton.jit
+def _store_gate_up(gate, up, m0, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
-                   TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr):
+                   TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
+                   NW: tl.constexpr):
     """Token group m0's (gate, up) fragments: SwiGLU -> a (one split), or fp32 partials."""
-    tok = 2 * c1 + e1 % 2 + m0
+    tok, i_out = _fragment_out(m0, NW)
     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
@@ -75,9 +92,10 @@ def _store_gate_up(gate, up, m0, c1, e1, i_out, inter_e, ids_ptr, n_tokens, expe
 
 
 @triton.jit
-def _store_y(acc, m0, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
-             NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr):
-    tok = 2 * c1 + e1 % 2 + m0
+def _store_y(acc, m0, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
+             NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr,
+             NW: tl.constexpr):
+    tok, h_out = _fragment_out(m0, NW)
     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
     y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
     tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
@@ -92,7 +110,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                    TWO_GROUPS: tl.constexpr):
+                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -120,19 +138,22 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         ib = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), i_blocks - 1).to(tl.int64)
         gate_w, up_w = w_base + ib * row_w, w_base + (ib + i_blocks) * row_w
         gate_s, up_s = s_base + ib * row_s, s_base + (ib + i_blocks) * row_s
-        d1, g1, c1, e1 = fragment_index(NW, 1)
-        i_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         kb_split = k_blocks // SPLIT
         kb_begin = tl.program_id(2) * kb_split
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
-            go, both, first, _, _ = _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2,
-                                                  SHARED_ONLY, TWO_GROUPS)
+            go, both, first, _, _ = _token_groups(ids_ptr, m0, fragment_index(NW, 1)[1], n_tokens, expert, NUM_ROUTED,
+                                                  TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS)
             if go:
                 x_rows = h_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_hm
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
-                if both:
+                if PAIRED:  # gate and up blocks of each K block in one stream, on one set of x loads
+                    zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
+                    gate, up = block_stream(zp, zp, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
+                                            PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s)
+                    gate2, up2 = zero, zero  # (unused: PAIRED passes take one token group, both is False)
+                elif both:
                     y_rows = h_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
                                                DEPTH, PTX, PREFETCH, FP8, GROUPS=2)
@@ -146,17 +167,18 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                 if PDL:
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
-                _store_gate_up(fold(gate, NW, DEPTH), fold(up, NW, DEPTH), first, c1, e1, i_out, inter_e, ids_ptr,
-                               n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
-                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT)
+                SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
+                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, inter_e, ids_ptr, n_tokens,
+                               expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol,
+                               alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
                 if both:
-                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, c1, e1, i_out, inter_e,
-                                   ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit,
-                                   stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT)
+                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, inter_e, ids_ptr,
+                                   n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
+                                   stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(0, n_tokens, TOKENS):
-                    tok = m0 + 2 * c1 + e1 % 2
+                    tok, i_out = _fragment_out(m0, NW)
                     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                     ok = (col >= 0) & (i_out < inter_e)
                     if tl.max(tl.max(col, axis=1), axis=0) >= 0:
@@ -193,8 +215,6 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         w_rows, s_rows = w_base + hb * row_w, s_base + hb * row_s
         kb_split = inter_e // 64 // SPLIT
         kb_begin = tl.program_id(2) * kb_split
-        d1, g1, c1, e1 = fragment_index(NW, 1)
-        h_out = (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
@@ -213,11 +233,11 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8)
-                _store_y(fold(acc, NW, DEPTH), first, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert, y_ptr,
-                         stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                _store_y(fold(acc, NW, DEPTH), first, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit,
+                         stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
                 if both:
-                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, c1, e1, h_out, hidden, ids_ptr, n_tokens, expert,
-                             y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, hidden, ids_ptr, n_tokens, expert, y_ptr,
+                             stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
 
 
 def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
@@ -249,6 +269,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
                   TWO_GROUPS=_two_groups(w13.fmt, n, ptx))
+    paired = mma_w13_paired(w13.fmt, n)
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -265,7 +286,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
-        num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
+        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -306,21 +327,28 @@ def aot_specs() -> list[KernelSpec]:
             for ptx, pdl in ((False, False), (True, False), (True, True)):
                 if fp8 and not ptx and hidden != AOT_SIZES[0][0]:
                     continue  # portable fp8 at the small size only (mma layouts are laid out only where PTX runs)
-                t13, t2 = mma_expert_tiles(hidden, True, fp8=fp8), mma_expert_tiles(inter, False, fp8=fp8)
-                if not ptx:
-                    t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
+                t2 = mma_expert_tiles(inter, False, fp8=fp8)
+                t2 = t2 if ptx else portable_mma_tiles(t2)
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
                           "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx}
                 targets = ("cuda",) if ptx else ()
                 label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                for split in sorted({t13.split, 2}):
-                    specs.append(KernelSpec(
-                        _mma_w13_kernel, sig13,
-                        dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
-                             SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13)),
-                        num_warps=t13.num_warps, num_stages=1, targets=targets, name=f"mma_w13_{label}_s{split}"))
+                # w13 as one-token steps run it and as steps of more than one token group do (16)
+                for n_tokens in (1, 16):
+                    paired = mma_w13_paired(FMT_MXFP8_MMA if fp8 else FMT_MXFP4_MMA, n_tokens)
+                    if n_tokens > 1 and not paired:
+                        continue  # the same kernel as one token's
+                    t13 = mma_expert_tiles(hidden, True, fp8=fp8, paired=paired)
+                    t13 = t13 if ptx else portable_mma_tiles(t13)
+                    for split in sorted({t13.split, 2}):
+                        specs.append(KernelSpec(
+                            _mma_w13_kernel, sig13,
+                            dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
+                                 SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired),
+                            num_warps=t13.num_warps, num_stages=1, targets=targets,
+                            name=f"mma_w13_{label}_s{split}{'_paired' if paired else ''}"))
                 specs.append(KernelSpec(
                     _mma_w2_kernel, sig2,
                     dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),

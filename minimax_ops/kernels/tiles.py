@@ -12,7 +12,8 @@ import os
 import torch
 import triton
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8, FMT_MXFP8_MMA, MMA_CODES, MMA_K
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8, FMT_MXFP8_MMA, MMA_CODES, MMA_K
+from .mma_decode import TOKENS
 
 # The one-token CUDA-core path (GemvConfig.fma); MINIMAX_OPS_NO_FMA=1 keeps the MMA path everywhere.
 FMA_ENABLED = os.environ.get("MINIMAX_OPS_NO_FMA") != "1"
@@ -139,7 +140,7 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
     A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles``."""
     if fmt in MMA_CODES:
-        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA)
+        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, paired=mma_w13_paired(fmt, n_tokens))
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -163,6 +164,16 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # blocks are twice the bytes).
 # mxfp8_mma from the H200 sweep (BENCHMARKS.md): shallow loads, no L2 prefetch, w13 split in two.
 _MMA_EXPERT_TILES = {False: ((4, 8, 2, 1), (4, 4, 2, 1)), True: ((4, 2, 0, 2), (4, 2, 2, 1))}
+# An mxfp4_mma w13 of more than one token group streams each K block's gate and up blocks together
+# (moe_mma.py): its depth counts blocks per matrix, so 4 loads the 8 blocks a step of the depth above.
+_MMA_W13_PAIRED_DEPTH = 4
+
+
+def mma_w13_paired(fmt: int, n_tokens: int) -> bool:
+    """Whether an mma-layout w13 streams gate and up blocks together: mxfp4_mma steps of more than
+    one token group (BENCHMARKS.md: in the fused layer the one-token step measured faster in two
+    streams at depth 8; MXFP8 in one stream measured no faster)."""
+    return fmt == FMT_MXFP4_MMA and n_tokens > TOKENS.value
 # mma-layout GEMV (linear_mma.py): (row blocks per program, blocks per load step, L2 prefetch steps);
 # K is split until the launch has about _MMA_LINEAR_WARPS_PER_SM row-block streams per SM. From the
 # H200 sweep of qkv / o_proj (mxfp8_mma): 8 row blocks, depth 2, no prefetch, ~18 streams per SM.
@@ -193,11 +204,15 @@ def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
 
 
 @functools.lru_cache(maxsize=None)
-def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False) -> ExpertTiles:
+def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False,
+                     paired: bool = False) -> ExpertTiles:
     """Tiles of an mma-layout expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
     rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
-    (shrunk to divide each split's blocks), num_stages 1 + the L2 prefetch distance."""
+    (shrunk to divide each split's blocks; ``paired``: per matrix of a w13 streaming gate and up
+    together), num_stages 1 + the L2 prefetch distance."""
     warps, depth, prefetch, split = _MMA_EXPERT_TILES[fp8][0 if w13 else 1]
+    if paired and w13:
+        depth = _MMA_W13_PAIRED_DEPTH
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
