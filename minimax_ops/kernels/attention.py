@@ -25,7 +25,7 @@ from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
 
 LOG2E = 1.4426950408889634
-SPLIT_CHUNK = 16  # splits merged per step of the merge kernel's loop
+SPLIT_CHUNK = 32  # splits merged per step of the merge kernel's loop (1-token steps have up to 32)
 MAX_TILE = 64  # positions per KV tile: half a 128-token block, so 16 blocks x 4 heads fill an H200
 _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several splits
 
@@ -42,7 +42,7 @@ def _attention_split_kernel(
         prefetch_share(pf_ptr, pf_bytes, (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
                        * tl.num_programs(2) + tl.program_id(2),
                        tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
-    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+    if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
     tok = tl.program_id(0)
@@ -68,6 +68,12 @@ def _attention_split_kernel(
                 mask=g_ok[:, None], other=0.0)
     if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; GPUs take bf16 x bf16 -> fp32
         q = q.to(tl.float32)
+    if PDL and not DENSE:
+        # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
+        # the new token's k / v come from the launch before it, complete once the indexer started, so
+        # they are read before the wait (everything this kernel stores still comes after it).
+        gdc_wait()
+        gdc_launch_dependents()
     if not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
@@ -129,24 +135,24 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stri
     base = (tok * num_heads + head).to(tl.int64) * num_splits
     s = tl.arange(0, SPLIT_CHUNK)
     d = tl.arange(0, HEAD_DIM)
-    # Pass 1: the largest partial max; pass 2: the rescaled sums (vector accumulators, reduced once).
-    m_vec = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, SPLIT_CHUNK):
-        m = tl.load(part_ml_ptr + base + s0 + s, mask=s0 + s < num_splits, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, m)
-    m_max = tl.max(m_vec, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_vec = tl.zeros([SPLIT_CHUNK], tl.float32)
-    acc = tl.zeros([SPLIT_CHUNK, HEAD_DIM], tl.float32)
+    # One pass, rescaling online per chunk of splits: a step with <= SPLIT_CHUNK splits issues all its
+    # loads (max, sum, acc) at once, one round trip.
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         ok = s0 + s < num_splits
         m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
-        w = tl.exp2(m - m_safe)  # empty splits (m = -inf) weigh 0
-        l_vec += w * tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
+        l = tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
         a = tl.load(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-        acc += w[:, None] * a
-    total = tl.sum(l_vec, axis=0)
-    o = tl.sum(acc, axis=0) / tl.where(total > 0, total, 1.0)  # padding rows: zeros
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)  # 0 while nothing was seen
+        w = tl.exp2(m - m_safe)  # empty splits (m = -inf) weigh 0
+        l_run = l_run * alpha + tl.sum(w * l, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, axis=0)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)  # padding rows: zeros
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
 
 

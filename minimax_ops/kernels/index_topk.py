@@ -5,7 +5,9 @@ Two passes:
 1. ``_index_score_kernel``, grid (request, split): each program scores a contiguous run of one
    request's blocks for all its query tokens and index heads at once ([query_len * Hi, Di] x
    [Di, block] tl.dot), so every index key is read from memory once per request. Runs are sized from
-   the request's real length in-kernel (no host sync), the grid from the table width.
+   the request's real length in-kernel (no host sync), the grid from the table width. As a
+   programmatic dependent a program reads its first block's keys before it waits, where that block
+   holds no key of this step.
    Scores go to an fp32 scratch [n, Hi, W].
 2. ``_index_topk_kernel``, one program per (token, head): packs (score, block) into one sortable
    int64 and keeps the best k with tl.topk over CHUNK-wide slices of the row. The local block
@@ -26,6 +28,26 @@ _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercisin
 
 
 @triton.jit
+def _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d, load,
+                DOT_FP32: tl.constexpr):
+    """The index keys of the request's logical block b ([BLOCK_SIZE, Di], zeros past seq_len or where
+    ``load`` is false), as the score tl.dot takes them."""
+    page = tl.load(block_table_ptr + req * stride_bt + b, mask=load, other=0).to(tl.int64)
+    pos = b * offs.shape[0] + offs
+    keys = tl.load(cache_ptr + page * stride_cb + offs[:, None] * stride_cs + d[None, :],
+                   mask=((pos < seq_len) & load)[:, None], other=0.0)
+    return keys.to(tl.float32) if DOT_FP32 else keys.to(tl.bfloat16)
+
+
+@triton.jit
+def _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE: tl.constexpr):
+    """Block b's score of every (token, head) row: the max over its causal positions of q . key."""
+    s = tl.dot(q, tl.trans(keys))  # [BLOCK_M, BLOCK_SIZE] fp32
+    s = tl.where((b * BLOCK_SIZE + offs)[None, :] < kv_len[:, None], s, float("-inf"))
+    tl.store(score_ptrs + b, tl.max(s, axis=1), mask=row_ok)
+
+
+@triton.jit
 def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, pf_ptr, pf_bytes,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
                         num_splits,
@@ -35,9 +57,6 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     if PREFETCH:  # the fused layer's later weights into L2 while this latency-bound kernel runs
         prefetch_share(pf_ptr, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
                        tl.num_programs(0) * tl.num_programs(1))
-    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
-        gdc_wait()
-        gdc_launch_dependents()
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -45,6 +64,16 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     per_split = tl.cdiv(nb, num_splits)
     b_start = split * per_split
     b_end = tl.minimum(b_start + per_split, nb)
+    offs = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, INDEX_DIM)
+    # A block older than this step's tokens is not written by the previous kernel (which inserts only
+    # the step's keys): as a programmatic dependent, the first such block's keys are read before the wait.
+    early = (b_start < b_end) & (b_start < (seq_len - QUERY_LEN) // BLOCK_SIZE) & PDL
+    keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
+                       early, DOT_FP32)
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
 
     # Rows of the score tile: (query token j, index head h), padded to BLOCK_M >= 16 for tl.dot.
     rows = tl.arange(0, BLOCK_M)
@@ -53,22 +82,20 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     head = rows % INDEX_HEADS
     tok = (req * QUERY_LEN + j).to(tl.int64)
     kv_len = seq_len - QUERY_LEN + j + 1  # causal: token j sees positions < kv_len
-    d = tl.arange(0, INDEX_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; real GPUs take bf16 x bf16 -> fp32
         q = q.to(tl.float32)
-    offs = tl.arange(0, BLOCK_SIZE)
     score_ptrs = scores_ptr + tok * stride_sn + head * stride_sh
-    for b in range(b_start, b_end):
-        page = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + offs
-        keys = tl.load(cache_ptr + page * stride_cb + offs[:, None] * stride_cs + d[None, :],
-                       mask=(pos < seq_len)[:, None], other=0.0)
-        keys = keys.to(tl.float32) if DOT_FP32 else keys.to(tl.bfloat16)
-        s = tl.dot(q, tl.trans(keys))  # [BLOCK_M, BLOCK_SIZE] fp32
-        s = tl.where(pos[None, :] < kv_len[:, None], s, float("-inf"))
-        tl.store(score_ptrs + b, tl.max(s, axis=1), mask=row_ok)
+    if b_start < b_end:
+        if not early:
+            keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt,
+                               offs, d, True, DOT_FP32)
+        _store_block_score(q, keys, b_start, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
+    for b in range(b_start + 1, b_end):
+        keys = _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
+                           True, DOT_FP32)
+        _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
 
 
 @triton.jit

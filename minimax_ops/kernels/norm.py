@@ -19,12 +19,13 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
                     BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
-        gdc_wait()
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # (a weight: before the wait)
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+        gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -32,7 +33,6 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
         tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
         # Normalise what was stored (the bf16 residual), as the next layer will see it.
         x = summed.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     tl.store(h_ptr + row * stride_h + cols, (x * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty), mask=mask)
 

@@ -59,23 +59,25 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
     """Grid (expert tiles, H splits): part[split, t, e] = sum over the split's H of h[t] * gate[e] in
     fp32 (LOGITS 0: tl.dot, ieee fp32 FMAs; 1: tl.dot in 3xTF32 on tensor cores, fp32-accurate;
     2: one token at a time, multiply and row sums, gate tile loaded once); with FUSED_TOPK the last
-    program to finish runs the top-k of every token."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    program to finish runs the top-k of every token. The gate does not depend on the previous
+    kernel: as a programmatic dependent, a program loads its first gate tile before it waits."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rows = tl.minimum(offs_e, n_experts - 1).to(tl.int64)
     k0 = pid_s * iters_per_split * BLOCK_H
     offs_k = k0 + tl.arange(0, BLOCK_H)
+    g_ptrs = g_ptr + rows[:, None] * stride_ge + offs_k[None, :]
+    g_first = tl.load(g_ptrs)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if LOGITS == 2:
-        g_ptrs = g_ptr + rows[:, None] * stride_ge + offs_k[None, :]
         t_rows = tl.arange(0, BLOCK_T)
         for t0 in range(0, n_tokens, BLOCK_T):
             acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
             for i in range(iters_per_split):
-                g = tl.load(g_ptrs + i * BLOCK_H)
+                g = tl.where(i == 0, g_first, tl.load(g_ptrs + i * BLOCK_H, mask=i > 0, other=0.0))
                 for tt in range(0, tl.minimum(BLOCK_T, n_tokens - t0)):
                     x = tl.load(h_ptr + (t0 + tt) * stride_hm + offs_k + i * BLOCK_H).to(tl.float32)
                     row = tl.sum(g * x[None, :], axis=1)
@@ -88,17 +90,14 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
             offs_t = t0 + tl.arange(0, BLOCK_T)
             t_mask = offs_t < n_tokens
             x_ptrs = h_ptr + offs_t.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-            g_ptrs = g_ptr + rows[:, None] * stride_ge + offs_k[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-            for _ in range(iters_per_split):
-                x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
-                g = tl.trans(tl.load(g_ptrs))
+            for i in range(iters_per_split):
+                x = tl.load(x_ptrs + i * BLOCK_H, mask=t_mask[:, None], other=0.0).to(tl.float32)
+                g = tl.trans(tl.where(i == 0, g_first, tl.load(g_ptrs + i * BLOCK_H, mask=i > 0, other=0.0)))
                 if LOGITS == 1:
                     acc = tl.dot(x, g, acc, input_precision="tf32x3")
                 else:
                     acc = tl.dot(x, g, acc, input_precision="ieee")
-                x_ptrs += BLOCK_H
-                g_ptrs += BLOCK_H
             out = part_ptr + pid_s * n_tokens * n_experts + offs_t[:, None] * n_experts + offs_e[None, :]
             tl.store(out, acc, mask=t_mask[:, None] & (offs_e[None, :] < n_experts))
     if FUSED_TOPK:
