@@ -342,7 +342,7 @@ def aot_specs() -> list[KernelSpec]:
                         continue  # the same kernel as one token's
                     t13 = mma_expert_tiles(hidden, True, fp8=fp8, paired=paired)
                     t13 = t13 if ptx else portable_mma_tiles(t13)
-                    for split in sorted({t13.split, 2}):
+                    for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
                         specs.append(KernelSpec(
                             _mma_w13_kernel, sig13,
                             dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
