@@ -7,7 +7,7 @@ specialisations (the constexpr values the wrappers really launch with).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64), ("hip", "gfx950", 64))
@@ -22,6 +22,7 @@ class KernelSpec:
     num_stages: int = 2
     name: str = ""
     targets: tuple[str, ...] = ()  # backends to compile for ("cuda", "hip"); empty = every target
+    max_registers: int = 0  # ptxas register cap (the launch's maxnreg; CUDA-only specs), 0: none
 
     def label(self) -> str:
         return self.name or getattr(self.kernel, "__name__", repr(self.kernel))
@@ -32,16 +33,15 @@ def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
     fused decode makes as a programmatic dependent (griddepcontrol is PTX)."""
     out = []
     for spec in specs:
-        out.append(KernelSpec(spec.kernel, spec.signature, {**spec.constexprs, "PDL": False}, spec.num_warps,
-                              spec.num_stages, spec.name, spec.targets))
-        out.append(KernelSpec(spec.kernel, spec.signature, {**spec.constexprs, "PDL": True}, spec.num_warps,
-                              spec.num_stages, f"{spec.label()}_pdl", ("cuda",)))
+        out.append(replace(spec, constexprs={**spec.constexprs, "PDL": False}))
+        out.append(replace(spec, constexprs={**spec.constexprs, "PDL": True}, name=f"{spec.label()}_pdl",
+                           targets=("cuda",)))
     return out
 
 
 def with_prefetch_variants(specs: list[KernelSpec], real_size: str) -> list[KernelSpec]:
     """``specs`` plus a CUDA-only PREFETCH=True copy of each PDL spec whose label holds ``real_size``:
     the fused decode's launch that also warms a later stage's weights in L2 (kernels/decode_layer.py)."""
-    return specs + [KernelSpec(s.kernel, s.signature, {**s.constexprs, "PREFETCH": True}, s.num_warps, s.num_stages,
-                               f"{s.label()}_prefetch", ("cuda",))
+    return specs + [replace(s, constexprs={**s.constexprs, "PREFETCH": True}, name=f"{s.label()}_prefetch",
+                            targets=("cuda",))
                     for s in specs if "PREFETCH" in s.constexprs and s.constexprs["PDL"] and real_size in s.label()]

@@ -230,11 +230,15 @@ def compile_spec(spec, target: tuple) -> list[str]:
     kernel = unwrap(spec.kernel)
     signature = full_signature(spec)
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec))
-    compiled = triton.compile(src, target=GPUTarget(*target),
-                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if spec.max_registers and target[0] == "cuda":
+        options["maxnreg"] = spec.max_registers
+    compiled = triton.compile(src, target=GPUTarget(*target), options=options)
     binary = "cubin" if target[0] == "cuda" else "hsaco"
     if not compiled.asm.get(binary):
         raise RuntimeError(f"compiled without producing a {binary}")
+    if "maxnreg" in options and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
+        raise RuntimeError(f"the register cap {spec.max_registers} did not reach the PTX")
     return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or ""))
 
 

@@ -6,7 +6,7 @@ programs become resident, compute their addresses and ask L2 for the first bytes
 slice, then wait for the predecessor's outputs. Kernel boundaries inside the layer (and between
 layers, whose first kernel is a dependent of the previous layer's last) stop draining the GPU.
 That is only safe where the launch order is known, i.e. inside the fused op: the vocabulary ops
-launch plainly. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
+launch plainly. The indexer is the exception inside the op: a dependent in one-token steps only. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
 ``kernel_stages(w)`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
 chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
@@ -73,8 +73,10 @@ def kernel_stages(w: dict) -> SimpleNamespace:
     half = o_proj.shape[0] // 2
 
     def index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk):
-        return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk, pdl=True,
-                                     prefetch=o_proj[:half] if on else None)
+        # A programmatic dependent only in one-token steps: with 2-16 tokens the indexer's kernels
+        # measured 1-12 us slower launched early than launched plainly (BENCHMARKS.md).
+        return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk,
+                                     pdl=index_q.shape[0] == 1, prefetch=o_proj[:half] if on else None)
 
     def sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale):
         return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,

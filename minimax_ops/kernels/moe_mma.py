@@ -254,6 +254,11 @@ def _prefetch(t) -> int:
     return max(0, t.num_stages - 1)
 
 
+def _cap(t) -> dict:
+    """The launch option of a register cap (ExpertTiles.max_registers; portable tiles carry none)."""
+    return {"maxnreg": t.max_registers} if t.max_registers else {}
+
+
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
                        t13, t2, alpha, limit, pdl):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
@@ -286,7 +291,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
-        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **common)
+        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **_cap(t13), **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -295,7 +300,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
         NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), num_warps=nw2, num_stages=1,
-        launch_pdl=pdl, **common)
+        launch_pdl=pdl, **_cap(t2), **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -348,9 +353,11 @@ def aot_specs() -> list[KernelSpec]:
                             dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
                                  SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired),
                             num_warps=t13.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w13_{label}_s{split}{'_paired' if paired else ''}"))
+                            name=f"mma_w13_{label}_s{split}{'_paired' if paired else ''}",
+                            max_registers=t13.max_registers))
                 specs.append(KernelSpec(
                     _mma_w2_kernel, sig2,
                     dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),
-                    num_warps=t2.num_warps, num_stages=1, targets=targets, name=f"mma_w2_{label}_s{t2.split}"))
+                    num_warps=t2.num_warps, num_stages=1, targets=targets, name=f"mma_w2_{label}_s{t2.split}",
+                    max_registers=t2.max_registers))
     return specs

@@ -107,6 +107,7 @@ class ExpertTiles:
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever mx_linear.use_ptx allows
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (see mx_linear.stream_rows)
     fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
+    max_registers: int = 0  # ptxas register cap of the mma-layout kernels' PTX launch (0: the compiler's choice)
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -160,10 +161,12 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 
 
 # mma-layout expert kernels (moe_mma.py): (row blocks per program = warps, blocks per load step, L2
-# prefetch distance in steps, K splits) per kernel (w13, w2), for mxfp4_mma and mxfp8_mma (whose
-# blocks are twice the bytes).
+# prefetch distance in steps, K splits, register cap or 0) per kernel (w13, w2), for mxfp4_mma and
+# mxfp8_mma (whose blocks are twice the bytes).
 # mxfp8_mma from the H200 sweep (BENCHMARKS.md): shallow loads, no L2 prefetch, w13 split in two.
-_MMA_EXPERT_TILES = {False: ((4, 8, 2, 1), (4, 4, 2, 1)), True: ((4, 2, 0, 2), (4, 2, 2, 1))}
+# The mxfp4_mma w2 capped at 128 registers (from 134) fits 4 programs per SM instead of 3, so its
+# 5 x 96 programs are resident at once.
+_MMA_EXPERT_TILES = {False: ((4, 8, 2, 1, 0), (4, 4, 2, 1, 128)), True: ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0))}
 # An mxfp4_mma w13 of more than one token group streams each K block's gate and up blocks together
 # (moe_mma.py): its depth counts blocks per matrix, so 4 loads the 8 blocks a step of the depth above.
 _MMA_W13_PAIRED_DEPTH = 4
@@ -210,23 +213,25 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
     (shrunk to divide each split's blocks; ``paired``: per matrix of a w13 streaming gate and up
     together), num_stages 1 + the L2 prefetch distance."""
-    warps, depth, prefetch, split = _MMA_EXPERT_TILES[fp8][0 if w13 else 1]
+    warps, depth, prefetch, split, max_registers = _MMA_EXPERT_TILES[fp8][0 if w13 else 1]
     if paired and w13:
         depth = _MMA_W13_PAIRED_DEPTH
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
         split -= 1
-    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth))
+    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
+                       max_registers=max_registers)
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
     """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program,
-    one block per step, no L2 prefetch (its whole-tensor intermediates, and its compile time, grow
-    with the first two; the prefetch is PTX). The splits stay: they divide K whatever the depth."""
+    one block per step, no L2 prefetch and no register cap (its whole-tensor intermediates, and its
+    compile time, grow with the first two; the prefetch and the cap are PTX's). The splits stay: they
+    divide K whatever the depth."""
     if isinstance(t, MmaLinearTiles):
         return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0)
-    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1)  # num_stages: 1 + prefetch
+    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1, max_registers=0)  # stages: 1 + prefetch
 
 
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
