@@ -260,7 +260,7 @@ def test_index_topk(step, dtype):
 
 def test_index_topk_several_chunks(monkeypatch):
     """A row longer than one tl.topk slice: the running best-k is merged across slices."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # slices of max(BLOCK_K, 4 x 1) = 4 blocks
     gen = torch.Generator().manual_seed(3)
     meta = build_step([200, 70], 2, block_size=BS, num_blocks=NUM_BLOCKS, generator=gen).to(DEVICE)
     _, index = poisoned_caches(meta, torch.bfloat16, gen)
@@ -268,6 +268,51 @@ def test_index_topk_several_chunks(monkeypatch):
     ids = index_topk.index_topk(index_q, index, meta.block_table, meta.seq_lens, 2, TOPK)
     ids_ref = ref.index_topk(index_q, index, meta.block_table, meta.seq_lens, 2, TOPK)
     check_topk(ids, ids_ref, block_scores(index_q, index, meta, 2), TOPK)
+
+
+def topk_by_keys(scores: torch.Tensor, kv_len: list[int], topk: int) -> torch.Tensor:
+    """Pass 2's contract: per row the blocks of the top-k int64 keys (order-preserving int32 of the score)
+    << 32 | block, the local block's key largest, best first; -1 past the row's nb blocks."""
+    n, heads, _ = scores.shape
+    out = torch.full((n, heads, topk), -1, dtype=torch.int32)
+    for i, length in enumerate(kv_len):
+        nb = -(-max(length, 0) // BS)
+        if nb:
+            bits = scores[i, :, :nb].contiguous().view(torch.int32).to(torch.int64)
+            ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            ordered[:, nb - 1] = 2**31 - 1
+            keys = (ordered << 32) | torch.arange(nb)
+            out[i, :, :min(topk, nb)] = (keys.topk(min(topk, nb)).values & 0xFFFFFFFF).to(torch.int32)
+    return out
+
+
+def selection_rows(kind: str, gen) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """[n, HI, 48] scores, seq_lens and per-token kv_len for pass 2 alone (query_len 2). Rows have 0
+    blocks (padding, and a first token with kv_len 0), 1, 3, 4, 5, 8, 16, 17 and 46 blocks."""
+    seq_lens = torch.tensor([0, 1, 3 * BS, 4 * BS + 1, 8 * BS, 16 * BS + 1, 45 * BS + 7], dtype=torch.int32)
+    kv_len = [int(s) - 2 + j + 1 for s in seq_lens for j in range(2)]
+    shape = (len(kv_len), HI, 48)
+    if kind == "randn":
+        scores = torch.randn(shape, generator=gen)
+    elif kind == "ties":  # equal scores: the higher block has the larger key
+        scores = torch.randint(0, 4, shape, generator=gen).float()
+    else:  # +-0, infinities, NaN of either sign and near-ties, all ordered by their key
+        vals = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1.0, 1.0 + 2**-23, -1.0, 1e-42])
+        scores = vals[torch.randint(0, len(vals), shape, generator=gen)]
+    return scores, seq_lens, kv_len
+
+
+@pytest.mark.parametrize("topk", [TOPK, 5])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+def test_index_topk_selection_matches_key_order(monkeypatch, kind, topk):
+    """Pass 2 alone on fresh scores against the int64 key order, exactly: rows shorter than topk, one
+    tl.topk of SHORT blocks (4 or 8 here) and just past it, CHUNK-wide slices (16) exactly and several,
+    padding rows."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
+    scores, seq_lens, kv_len = selection_rows(kind, torch.Generator().manual_seed(4))
+    out = torch.empty(len(kv_len), HI, topk, dtype=torch.int32, device=DEVICE)
+    index_topk._select_blocks(scores.to(DEVICE), seq_lens.to(DEVICE), out, 2, BS)
+    assert torch.equal(out.cpu(), topk_by_keys(scores, kv_len, topk))
 
 
 # ---- sparse / dense attention ----------------------------------------------------------------------------------

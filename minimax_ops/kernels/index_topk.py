@@ -10,8 +10,10 @@ Two passes:
    holds no key of this step.
    Scores go to an fp32 scratch [n, Hi, W].
 2. ``_index_topk_kernel``, one program per (token, head): packs (score, block) into one sortable
-   int64 and keeps the best k with tl.topk over CHUNK-wide slices of the row. The local block
-   (nb - 1) gets the largest key, so it is always chosen first.
+   int64 and keeps the best k with tl.topk. The local block (nb - 1) gets the largest key, so it is
+   always chosen first. tl.topk's cost follows its width, not nb: a row of up to SHORT (TOPK_CHUNK)
+   blocks takes one SHORT-wide tl.topk, a longer row keeps a running best over CHUNK-wide slices
+   (4 x TOPK_CHUNK).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
 
-TOPK_CHUNK = 1024  # blocks per tl.topk slice in pass 2 (contexts up to 128k tokens in one slice)
+TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide, longer rows 4x slices
 _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
 
 
@@ -99,9 +101,23 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
 
 
 @triton.jit
+def _topk_keys(row, blk, nb):
+    """Blocks blk as unique int64 keys: (order-preserving int32 of the score) << 32 | block, one int64
+    max-selects both. The local block (nb - 1) is the largest; entries past nb get the smallest high
+    word, so they sort below every real block."""
+    valid = blk < nb
+    bits = tl.load(row + blk, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = tl.where(blk == nb - 1, 2147483647, ordered)  # the local block always wins
+    ordered = tl.where(valid, ordered, -2147483648)
+    return (ordered.to(tl.int64) << 32) | blk.to(tl.int64)
+
+
+@triton.jit
 def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       TOPK: tl.constexpr, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -112,21 +128,14 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
     row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
-    # Key = (order-preserving int32 of the score) << 32 | block: one int64 max-selects both.
-    # Entries past nb get the smallest high word, so they sort below every real block.
-    floor_key = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32
-    best = floor_key
-    for start in range(0, nb, CHUNK):
-        blk = start + tl.arange(0, CHUNK)
-        valid = blk < nb
-        s = tl.load(row + blk, mask=valid, other=0.0)
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        ordered = tl.where(blk == nb - 1, 2147483647, ordered)  # the local block always wins
-        ordered = tl.where(valid, ordered, -2147483648)
-        keys = (ordered.to(tl.int64) << 32) | blk.to(tl.int64)
-        cand = tl.topk(keys, BLOCK_K)
-        best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
+    # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
+    if nb <= SHORT:
+        best = tl.topk(_topk_keys(row, tl.arange(0, SHORT), nb), BLOCK_K)
+    else:
+        best = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32  # below every key
+        for start in range(0, nb, CHUNK):
+            cand = tl.topk(_topk_keys(row, start + tl.arange(0, CHUNK), nb), BLOCK_K)
+            best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
     k = tl.arange(0, BLOCK_K)
     ids = tl.where(k < nb, (best & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
@@ -151,8 +160,10 @@ def _block_m(query_len: int, index_heads: int) -> int:
     return max(16, triton.next_power_of_2(query_len * index_heads))
 
 
-def _topk_chunk(width: int, block_k: int) -> int:
-    return max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
+def _topk_chunk(width: int, block_k: int) -> tuple[int, int]:
+    """tl.topk widths: (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
+    short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
+    return short, max(short, min(4 * TOPK_CHUNK, triton.next_power_of_2(width)))
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -203,12 +214,21 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
         BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, PDL=pdl, PREFETCH=pf is not scores, num_warps=4,
         num_stages=3,
         launch_pdl=pdl)
+    _select_blocks(scores, seq_lens, out, query_len, block_size, pdl)
+    return out
+
+
+def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, query_len: int,
+                   block_size: int, pdl: bool = False) -> None:
+    """Pass 2: block scores fp32 [n, Hi, W] -> out int32 [n, Hi, topk], the best blocks of each row."""
+    n, heads, width = scores.shape
+    topk = out.shape[2]
     block_k = triton.next_power_of_2(topk)
+    short, chunk = _topk_chunk(width, block_k)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
-        CHUNK=_topk_chunk(width, block_k), PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return out
+        SHORT=short, CHUNK=chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -227,12 +247,13 @@ def aot_specs() -> list[KernelSpec]:
                      "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False, "PREFETCH": False},
                     num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
+            short, chunk = _topk_chunk(width, block_k)
             specs.append(KernelSpec(
                 _index_topk_kernel,
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
                  "stride_sh": "i32", "stride_on": "i32", "stride_oh": "i32"},
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
-                 "BLOCK_K": block_k, "CHUNK": _topk_chunk(width, block_k)},
+                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
     specs = with_pdl_variants(specs)
     return with_prefetch_variants(specs, "_d128_")  # real size only
