@@ -6,7 +6,8 @@ programs become resident, compute their addresses and ask L2 for the first bytes
 slice, then wait for the predecessor's outputs. Kernel boundaries inside the layer (and between
 layers, whose first kernel is a dependent of the previous layer's last) stop draining the GPU.
 That is only safe where the launch order is known, i.e. inside the fused op: the vocabulary ops
-launch plainly. The indexer is the exception inside the op: a dependent in one-token steps only. Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
+launch plainly. The indexer is the exception inside the op: a dependent in one-token steps only.
+Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
 ``kernel_stages(w)`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
 chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
