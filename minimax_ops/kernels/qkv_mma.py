@@ -76,9 +76,15 @@ def one_kernel_tiles(mma: bool, fp8: bool, n: int, k: int, head_dim: int, device
     if not mma:
         return None
     t, ptx = linear_tiles(n, k, device, fp8, tiles)
-    if not ptx and head_dim % MMA_ROWS == 0:
-        t = dataclasses.replace(t, num_warps=head_dim // MMA_ROWS)
+    t = _segment_tiles(t, ptx, head_dim)
     return (t, ptx) if t.num_warps * MMA_ROWS == head_dim else None
+
+
+def _segment_tiles(t: MmaLinearTiles, ptx: bool, head_dim: int) -> MmaLinearTiles:
+    """Off PTX (portable tiles) a program runs one segment: head_dim / 16 row blocks."""
+    if ptx or head_dim % MMA_ROWS:
+        return t
+    return dataclasses.replace(t, num_warps=head_dim // MMA_ROWS)
 
 
 def seg_tokens(m: int) -> int:
@@ -152,7 +158,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
     heads, kv_heads, index_heads, dim = shape[:4]
     n = qkv_width(heads, kv_heads, dim, index_heads if idx_t else 0, dim)
     t = mma_linear_tiles(n, k, 132, fp8)
-    t = t if ptx else dataclasses.replace(portable_mma_tiles(t), num_warps=dim // MMA_ROWS)
+    t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
                 PDL=pdl, PREFETCH=t.prefetch, FP8=fp8)

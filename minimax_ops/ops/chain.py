@@ -63,8 +63,9 @@ def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv
         index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
         q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
                               w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
-                              **dict(zip(("num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "eps"),
-                                         _heads(c))), **index, k_scale=c.k_scale, v_scale=c.v_scale)
+                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, **index,
+                              k_scale=c.k_scale, v_scale=c.v_scale)
         return q, index_q, residual
     qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
     if sparse:
