@@ -160,7 +160,7 @@ def _block_m(query_len: int, index_heads: int) -> int:
     return max(16, triton.next_power_of_2(query_len * index_heads))
 
 
-def _topk_chunk(width: int, block_k: int) -> tuple[int, int]:
+def _topk_widths(width: int, block_k: int) -> tuple[int, int]:
     """tl.topk widths: (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
     short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
     return short, max(short, min(4 * TOPK_CHUNK, triton.next_power_of_2(width)))
@@ -224,7 +224,7 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     n, heads, width = scores.shape
     topk = out.shape[2]
     block_k = triton.next_power_of_2(topk)
-    short, chunk = _topk_chunk(width, block_k)
+    short, chunk = _topk_widths(width, block_k)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
@@ -247,7 +247,7 @@ def aot_specs() -> list[KernelSpec]:
                      "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False, "PREFETCH": False},
                     num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
-            short, chunk = _topk_chunk(width, block_k)
+            short, chunk = _topk_widths(width, block_k)
             specs.append(KernelSpec(
                 _index_topk_kernel,
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
