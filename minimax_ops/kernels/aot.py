@@ -38,10 +38,3 @@ def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
                            targets=("cuda",)))
     return out
 
-
-def with_prefetch_variants(specs: list[KernelSpec], real_size: str) -> list[KernelSpec]:
-    """``specs`` plus a CUDA-only PREFETCH=True copy of each PDL spec whose label holds ``real_size``:
-    the fused decode's launch that also warms a later stage's weights in L2 (kernels/decode_layer.py)."""
-    return specs + [replace(s, constexprs={**s.constexprs, "PREFETCH": True}, name=f"{s.label()}_prefetch",
-                            targets=("cuda",))
-                    for s in specs if "PREFETCH" in s.constexprs and s.constexprs["PDL"] and real_size in s.label()]

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
-from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
+from .aot import KernelSpec, with_pdl_variants
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 LOG2E = 1.4426950408889634
 SPLIT_CHUNK = 32  # splits merged per step of the merge kernel's loop (1-token steps have up to 32)
@@ -32,16 +32,12 @@ _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several
 
 @triton.jit
 def _attention_split_kernel(
-        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, block_ids_ptr, part_acc_ptr, part_ml_ptr, pf_ptr, pf_bytes,
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, block_ids_ptr, part_acc_ptr, part_ml_ptr,
         stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    if PREFETCH:  # the fused layer's next weights (o_proj) into L2 while this latency-bound kernel runs
-        prefetch_share(pf_ptr, pf_bytes, (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
-                       * tl.num_programs(2) + tl.program_id(2),
-                       tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
@@ -206,8 +202,7 @@ def _check_common(q, kv_cache, block_table, seq_lens, query_len):
           f"q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
 
 
-def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl,
-            prefetch=None):
+def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl):
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = heads // kv_heads
@@ -227,15 +222,14 @@ def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v
     part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     ids = block_table if dense else block_ids  # dense: a typed stand-in, never read
     pdl = pdl and pdl_supported(q.device)
-    pf = prefetch.reshape(-1).view(torch.uint8) if prefetch is not None and pdl else part_ml
     _attention_split_kernel[(n, kv_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, ids, part_acc, part_ml, pf, pf.numel() if pf is not part_ml else 0,
+        q, kv_cache, block_table, seq_lens, ids, part_acc, part_ml,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), ids.stride(0), ids.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
         BLOCK_N=tile, BLOCK_TOPK=1 if dense else triton.next_power_of_2(block_ids.shape[2]), DENSE=dense,
-        DOT_FP32=q.device.type != "cuda", PDL=pdl, PREFETCH=pf is not part_ml, num_warps=4, num_stages=2,
+        DOT_FP32=q.device.type != "cuda", PDL=pdl, num_warps=4, num_stages=2,
         launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -245,8 +239,7 @@ def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, block_ids: torch.Tensor, query_len: int,
                             k_scale: float = 1.0, v_scale: float = 1.0, *,
-                            num_splits: int | None = None, pdl: bool = False,
-                            prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                            num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Block-sparse GQA decode: q bf16 [n, H, D]; kv_cache [blocks, KVH, bs, 2D] (bf16 or fp8,
     dequantised by k_scale / v_scale); block_ids int32 [n, KVH, topk] logical blocks per kv head
     (-1, repeats and blocks past the token's last are ignored). Causal (positions < kv_len). Returns bf16 [n, H*D];
@@ -257,18 +250,16 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table
           and block_ids.stride(2) == 1 and block_ids.shape[2] >= 1,
           f"block_ids: expected an int32 [{n}, {kv_heads}, topk] tensor with a contiguous last dimension, "
           f"got {block_ids.dtype} shape {tuple(block_ids.shape)}")
-    return _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl,
-                   prefetch)
+    return _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl)
 
 
 def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, query_len: int, k_scale: float = 1.0, v_scale: float = 1.0,
-                           *, num_splits: int | None = None, pdl: bool = False,
-                           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           *, num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Full causal GQA decode over all of each token's blocks (dense layers); as sparse_attention_decode
     otherwise. Long contexts are split over up to ~4 programs per SM."""
     _check_common(q, kv_cache, block_table, seq_lens, query_len)
-    return _launch(q, kv_cache, block_table, seq_lens, None, query_len, k_scale, v_scale, num_splits, pdl, prefetch)
+    return _launch(q, kv_cache, block_table, seq_lens, None, query_len, k_scale, v_scale, num_splits, pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -283,13 +274,12 @@ def aot_specs() -> list[KernelSpec]:
                         _attention_split_kernel,
                         {"q_ptr": "*bf16", "kv_ptr": kv_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                          "block_ids_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
-                         "pf_ptr": "*u8", "pf_bytes": "i64",
                          "stride_qn": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
                          "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
                          "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": _tile(bs), "BLOCK_TOPK": 1 if dense else topk,
-                         "DENSE": dense, "DOT_FP32": False, "PREFETCH": False},
+                         "DENSE": dense, "DOT_FP32": False},
                         num_warps=4, num_stages=2,
                         name=f"attention_{'dense' if dense else 'sparse'}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}"))
         specs.append(KernelSpec(
@@ -297,5 +287,4 @@ def aot_specs() -> list[KernelSpec]:
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
              "stride_on": "i32"},
             {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
-    specs = with_pdl_variants(specs)
-    return with_prefetch_variants(specs, "_d128_")  # real size only
+    return with_pdl_variants(specs)

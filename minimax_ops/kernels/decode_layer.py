@@ -9,7 +9,7 @@ That is only safe where the launch order is known, i.e. inside the fused op: the
 launch plainly. The indexer is the exception inside the op: a dependent in one-token steps only.
 Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
-``kernel_stages(w)`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
+``kernel_stages()`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
 chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
 offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), which the
 chain takes when offered. Inputs were checked by the fused op before the first launch.
@@ -17,7 +17,6 @@ chain takes when offered. Inputs were checked by the fused op before the first l
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -63,29 +62,24 @@ def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
                                out_dtype=_out_dtype(out_fp32), pdl=True)
 
 
-def kernel_stages(w: dict) -> SimpleNamespace:
-    """The stage kernels for one layer whose weights (by chain.SPARSE_WEIGHTS / DENSE_WEIGHTS name)
-    are ``w``. With MINIMAX_OPS_PREFETCH=1 the indexer and the attention, latency-bound, also ask L2
-    for o_proj's weights (half each) while they run. Off by default: measured slower on the H200
-    (BENCHMARKS.md), as was prefetching the very next kernel's weights (qkv's from the input norm:
-    the GEMV then streams the same bytes again beside the prefetch)."""
-    on = os.environ.get("MINIMAX_OPS_PREFETCH") == "1"
-    o_proj = w["o_proj"].reshape(w["o_proj"].shape[0], -1)
-    half = o_proj.shape[0] // 2
+def kernel_stages() -> SimpleNamespace:
+    """The stage kernels of a layer step. (None asks L2 for a later stage's weights: o_proj's asked
+    for by the latency-bound indexer and attention made the layer slower at every share tried,
+    BENCHMARKS.md.)"""
 
     def index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk):
         # A programmatic dependent only in one-token steps: with 2-16 tokens the indexer's kernels
         # measured 1-12 us slower launched early than launched plainly (BENCHMARKS.md).
         return index_topk.index_topk(index_q, index_cache, block_table, seq_lens, query_len, topk,
-                                     pdl=index_q.shape[0] == 1, prefetch=o_proj[:half] if on else None)
+                                     pdl=index_q.shape[0] == 1)
 
     def sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale):
         return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,
-                                                 v_scale, pdl=True, prefetch=o_proj[half:] if on else None)
+                                                 v_scale, pdl=True)
 
     def dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
         return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
-                                                pdl=True, prefetch=o_proj if on else None)
+                                                pdl=True)
 
     return SimpleNamespace(
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec, with_pdl_variants, with_prefetch_variants
-from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, prefetch_share
+from .aot import KernelSpec, with_pdl_variants
+from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide, longer rows 4x slices
 _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
@@ -50,15 +50,11 @@ def _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE:
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, pf_ptr, pf_bytes,
+def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
                         num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH: tl.constexpr):
-    if PREFETCH:  # the fused layer's later weights into L2 while this latency-bound kernel runs
-        prefetch_share(pf_ptr, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                       tl.num_programs(0) * tl.num_programs(1))
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -172,8 +168,7 @@ def _need(ok: bool, msg: str) -> None:
 
 
 def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_len: int, topk: int, *, pdl: bool = False,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               seq_lens: torch.Tensor, query_len: int, topk: int, *, pdl: bool = False) -> torch.Tensor:
     """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
     seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
     first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
@@ -205,13 +200,12 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
     pdl = pdl and pdl_supported(index_q.device)
     scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
     num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
-    pf = prefetch.reshape(-1).view(torch.uint8) if prefetch is not None and pdl else scores
     _index_score_kernel[(num_reqs, num_splits)](
-        index_q, index_cache, block_table, seq_lens, scores, pf, pf.numel() if pf is not scores else 0,
+        index_q, index_cache, block_table, seq_lens, scores,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, PDL=pdl, PREFETCH=pf is not scores, num_warps=4,
+        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, PDL=pdl, num_warps=4,
         num_stages=3,
         launch_pdl=pdl)
     _select_blocks(scores, seq_lens, out, query_len, block_size, pdl)
@@ -240,11 +234,11 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _index_score_kernel,
                     {"q_ptr": "*bf16", "cache_ptr": cache_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "scores_ptr": "*fp32", "pf_ptr": "*u8", "pf_bytes": "i64", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
+                     "scores_ptr": "*fp32", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
                      "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
                      "num_splits": "i32"},
                     {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
-                     "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False, "PREFETCH": False},
+                     "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False},
                     num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
             short, chunk = _topk_widths(width, block_k)
@@ -255,5 +249,4 @@ def aot_specs() -> list[KernelSpec]:
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
                  "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
-    specs = with_pdl_variants(specs)
-    return with_prefetch_variants(specs, "_d128_")  # real size only
+    return with_pdl_variants(specs)

@@ -332,7 +332,6 @@ def mxfp4_ptx(fmt: int, cfg_ptx: bool | None, device: torch.device) -> bool:
 # Bytes of its weight slice a program launched with PDL asks L2 for before it waits on its
 # predecessor (the first few K steps: enough to keep DRAM busy across the kernel boundary).
 PREFETCH_BYTES = 64 * 1024
-PREFETCH_PIECE = tl.constexpr(1 << 20)  # bytes per bulk prefetch request of prefetch_share
 
 
 @triton.jit
@@ -342,17 +341,6 @@ def prefetch_l2(ptr, nbytes):
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
                               [ptr.to(tl.int64, bitcast=True), (nbytes // 16 * 16).to(tl.int32)], dtype=tl.int32,
                               is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_share(pf_ptr, pf_bytes, pid, nprog):
-    """Program pid of nprog asks L2 for its share of the pf_bytes at pf_ptr (bytes; 16-aligned):
-    how a latency-bound kernel of the fused layer warms the next stage's weights."""
-    chunk = (pf_bytes // nprog + 16) // 16 * 16
-    start = pid.to(tl.int64) * chunk
-    end = tl.minimum(start + chunk, pf_bytes)
-    for off in range(start, end, PREFETCH_PIECE):  # bounded requests (a short grid has long shares)
-        prefetch_l2(pf_ptr + off, tl.minimum(end - off, PREFETCH_PIECE))
 
 
 @functools.lru_cache(maxsize=None)

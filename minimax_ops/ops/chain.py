@@ -82,7 +82,7 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
                      index_cache, w, c: SparseConsts, query_lens: list[int] | None = None, ops=None):
     """Steps 1-7 of a sparse MoE layer -> (o unreduced, residual). ``query_lens`` (the model's
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
-    ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(w), same signatures."""
+    ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(), same signatures."""
     mm = ops or MM
     q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
                                            index_cache, w, c, mm)

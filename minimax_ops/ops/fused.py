@@ -72,7 +72,7 @@ def _on_kernels(half):
         if not use_kernels(args[0]):
             return half(*args)
         from ..kernels.decode_layer import kernel_stages
-        return half(*args, ops=kernel_stages(args[-2]))  # args[-2]: the layer's weights
+        return half(*args, ops=kernel_stages())
     return run
 
 
