@@ -23,7 +23,7 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_ind
                          stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles
+from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
-        PREFETCH=t.prefetch, FP8=fp8, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl)
+        PREFETCH=t.prefetch, FP8=fp8, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl, **register_cap(t))
     return out
 
 
@@ -180,5 +180,5 @@ def aot_specs() -> list[KernelSpec]:
                          PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                         f"_s{t.split}"))
+                         f"_s{t.split}", max_registers=t.max_registers))
     return specs

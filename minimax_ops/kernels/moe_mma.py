@@ -6,14 +6,12 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 - ``_mma_w13_kernel`` (slot, group of NW gate blocks, H split): warp w streams gate row block i and
   up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
   SwiGLU-OAI -> bf16 a[token, top-k column, i] (split: fp32 partials, the last split to finish sums
-  them in order). MXFP4 steps of more than one token group stream the gate and up blocks of each
-  K block together (``PAIRED``, tiles.mma_w13_paired: block_stream's PAIR): one set of x registers
-  feeds both mma chains, each matrix at half the load depth (the same bytes per step) in half as
-  many accumulator sets, and no gate result is held while up streams: fewer registers, so 3
-  programs of 4 warps fit per SM instead of 2. One-token MXFP4 steps keep two streams at depth 8
-  (faster inside the fused layer, where the kernel is a programmatic dependent: BENCHMARKS.md);
-  MXFP8 (twice the bytes per block, shallower and split, already at 3+ programs per SM) and paired
-  token groups stream gate, then up.
+  them in order). MXFP4 steps stream the gate and up blocks of each K block together (``PAIRED``,
+  tiles.mma_w13_paired: block_stream's PAIR): one set of x registers feeds both mma chains, each
+  matrix at half the load depth (the same bytes per step) in half as many accumulator sets, and no
+  gate result is held while up streams: fewer registers, so more programs fit per SM (one-token
+  steps also split H in two: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
+  already at 3+ programs per SM) and paired token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
 Tokens go 8 per pass (the mma's N); steps of 9-16 tokens with mxfp8_mma tables go as two groups on
@@ -36,7 +34,7 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_ind
                          warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import mma_expert_tiles, mma_w13_paired, portable_mma_tiles
+from .tiles import mma_expert_tiles, mma_w13_paired, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -120,6 +118,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     slot (the grid's last) needs only h, complete since the router passed its own wait: it streams
     its weights under the router's tail and waits only before its first store (buffers of this
     step may reuse memory the router still uses)."""
+    tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     if PDL:
         if SHARED_SLOT:
             if tl.program_id(0) != tl.num_programs(0) - 1:
@@ -254,11 +253,6 @@ def _prefetch(t) -> int:
     return max(0, t.num_stages - 1)
 
 
-def _cap(t) -> dict:
-    """The launch option of a register cap (ExpertTiles.max_registers; portable tiles carry none)."""
-    return {"maxnreg": t.max_registers} if t.max_registers else {}
-
-
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
                        t13, t2, alpha, limit, pdl):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
@@ -291,7 +285,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
-        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **_cap(t13), **common)
+        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13), **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -300,7 +294,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
         NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), num_warps=nw2, num_stages=1,
-        launch_pdl=pdl, **_cap(t2), **common)
+        launch_pdl=pdl, **register_cap(t2), **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -332,32 +326,35 @@ def aot_specs() -> list[KernelSpec]:
             for ptx, pdl in ((False, False), (True, False), (True, True)):
                 if fp8 and not ptx and hidden != AOT_SIZES[0][0]:
                     continue  # portable fp8 at the small size only (mma layouts are laid out only where PTX runs)
-                t2 = mma_expert_tiles(inter, False, fp8=fp8)
-                t2 = t2 if ptx else portable_mma_tiles(t2)
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
                           "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx}
                 targets = ("cuda",) if ptx else ()
                 label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                # w13 as one-token steps run it and as steps of more than one token group do (16)
+                # as one-token steps and larger steps (16) run them, each distinct kernel once
+                seen = set()
                 for n_tokens in (1, 16):
                     paired = mma_w13_paired(FMT_MXFP8_MMA if fp8 else FMT_MXFP4_MMA, n_tokens)
-                    if n_tokens > 1 and not paired:
-                        continue  # the same kernel as one token's
-                    t13 = mma_expert_tiles(hidden, True, fp8=fp8, paired=paired)
-                    t13 = t13 if ptx else portable_mma_tiles(t13)
+                    t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
+                    t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
+                    t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
                     for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
+                        if ("w13", t13, split, paired) in seen:
+                            continue
+                        seen.add(("w13", t13, split, paired))
                         specs.append(KernelSpec(
                             _mma_w13_kernel, sig13,
                             dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
                                  SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired),
                             num_warps=t13.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w13_{label}_s{split}{'_paired' if paired else ''}",
+                            name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}",
                             max_registers=t13.max_registers))
-                specs.append(KernelSpec(
-                    _mma_w2_kernel, sig2,
-                    dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),
-                    num_warps=t2.num_warps, num_stages=1, targets=targets, name=f"mma_w2_{label}_s{t2.split}",
-                    max_registers=t2.max_registers))
+                    if ("w2", t2) not in seen:
+                        seen.add(("w2", t2))
+                        specs.append(KernelSpec(
+                            _mma_w2_kernel, sig2,
+                            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),
+                            num_warps=t2.num_warps, num_stages=1, targets=targets,
+                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}", max_registers=t2.max_registers))
     return specs

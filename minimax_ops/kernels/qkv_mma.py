@@ -35,7 +35,7 @@ from .mx_linear import mx_linear
 from .norm import check_rows
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
                            segment_launch, segment_signature)
-from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles
+from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
         x32.stride(0), w.stride(0), s.stride(0), qkv.stride(0), *launch.args,
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m), num_warps=t.num_warps,
-        num_stages=1, launch_pdl=pdl)
+        num_stages=1, launch_pdl=pdl, **register_cap(t))
     return launch.q, launch.index_q
 
 
@@ -166,7 +166,8 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
             f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
                       {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens},
-                      num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (), name=name)
+                      num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (), name=name,
+                      max_registers=t.max_registers)
 
 
 def aot_specs() -> list[KernelSpec]:

@@ -12,8 +12,7 @@ import os
 import torch
 import triton
 
-from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_MMA, FMT_MXFP4_WORDS, FMT_MXFP8, FMT_MXFP8_MMA, MMA_CODES, MMA_K
-from .mma_decode import TOKENS
+from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8, FMT_MXFP8_MMA, MMA_CODES, MMA_K
 
 # The one-token CUDA-core path (GemvConfig.fma); MINIMAX_OPS_NO_FMA=1 keeps the MMA path everywhere.
 FMA_ENABLED = os.environ.get("MINIMAX_OPS_NO_FMA") != "1"
@@ -141,7 +140,7 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
     A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles``."""
     if fmt in MMA_CODES:
-        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, paired=mma_w13_paired(fmt, n_tokens))
+        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, one_token=n_tokens == 1)
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -160,27 +159,35 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     return ExpertTiles(rows // 2 if w13 else rows, block_k, warps, stages, split, k_chunks=chunks, fma=fma)
 
 
-# mma-layout expert kernels (moe_mma.py): (row blocks per program = warps, blocks per load step, L2
-# prefetch distance in steps, K splits, register cap or 0) per kernel (w13, w2), for mxfp4_mma and
-# mxfp8_mma (whose blocks are twice the bytes).
-# mxfp8_mma from the H200 sweep (BENCHMARKS.md): shallow loads, no L2 prefetch, w13 split in two.
-# The mxfp4_mma w2 capped at 128 registers (from 134) fits 4 programs per SM instead of 3, so its
-# 5 x 96 programs are resident at once.
-_MMA_EXPERT_TILES = {False: ((4, 8, 2, 1, 0), (4, 4, 2, 1, 128)), True: ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0))}
-# An mxfp4_mma w13 of more than one token group streams each K block's gate and up blocks together
-# (moe_mma.py): its depth counts blocks per matrix, so 4 loads the 8 blocks a step of the depth above.
-_MMA_W13_PAIRED_DEPTH = 4
+# mma-layout expert kernels (moe_mma.py), per (mxfp8_mma, one-token step): per kernel (w13, w2) (row blocks
+# per program = warps, blocks per load step, L2 prefetch distance in steps, K splits, register cap or 0),
+# then whether w13 streams each K block's gate and up blocks together on one set of x loads (moe_mma's
+# PAIRED: the depth then counts blocks per matrix).
+# mxfp4_mma, from A/B runs inside the fused layer on the H200 (BENCHMARKS.md): w13 paired and no L2
+# prefetch anywhere (the prefetch pointers cost registers, and w2 gained nothing from it); one-token
+# steps load 2 blocks a matrix per step and split K in two at 128 registers (480 programs, 4 per SM: all
+# resident at once), larger steps load 4 unsplit; w2 capped at 128 registers (4 programs per SM).
+# mxfp8_mma from the H200 sweep: shallow loads, w13 split in two, gate then up.
+_MMA_EXPERT_TILES = {
+    (False, True): ((4, 2, 0, 2, 128), (4, 4, 0, 1, 128), True),
+    (False, False): ((4, 4, 0, 1, 0), (4, 4, 0, 1, 128), True),
+    (True, True): ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False),
+    (True, False): ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False),
+}
 
 
 def mma_w13_paired(fmt: int, n_tokens: int) -> bool:
-    """Whether an mma-layout w13 streams gate and up blocks together: mxfp4_mma steps of more than
-    one token group (BENCHMARKS.md: in the fused layer the one-token step measured faster in two
-    streams at depth 8; MXFP8 in one stream measured no faster)."""
-    return fmt == FMT_MXFP4_MMA and n_tokens > TOKENS.value
-# mma-layout GEMV (linear_mma.py): (row blocks per program, blocks per load step, L2 prefetch steps);
-# K is split until the launch has about _MMA_LINEAR_WARPS_PER_SM row-block streams per SM. From the
-# H200 sweep of qkv / o_proj (mxfp8_mma): 8 row blocks, depth 2, no prefetch, ~18 streams per SM.
-_MMA_LINEAR_TILES = {False: (8, 4, 0), True: (8, 2, 0)}
+    """Whether an mma-layout w13 of a step of n_tokens streams gate and up blocks together
+    (_MMA_EXPERT_TILES)."""
+    return fmt in MMA_CODES and _MMA_EXPERT_TILES[(fmt == FMT_MXFP8_MMA, n_tokens == 1)][2]
+
+
+# mma-layout GEMV (linear_mma.py, qkv_mma.py): (row blocks per program, blocks per load step, L2 prefetch
+# steps, register cap or 0); K is split until the launch has about _MMA_LINEAR_WARPS_PER_SM row-block
+# streams per SM. mxfp8_mma (qkv / o_proj) from the H200 sweep (8 row blocks, no prefetch, ~18 streams
+# per SM), then an A/B inside the fused layer: one block a step at 80 registers (3 programs of 8 warps
+# per SM at every step size) beat two blocks a step uncapped.
+_MMA_LINEAR_TILES = {False: (8, 4, 0, 0), True: (8, 1, 0, 80)}
 _MMA_LINEAR_WARPS_PER_SM = 18
 _MMA_LINEAR_MAX_SPLIT = 8
 
@@ -191,31 +198,30 @@ class MmaLinearTiles:
     depth: int  # 64-value blocks per load step
     prefetch: int  # L2 prefetch distance in load steps (CUDA)
     split: int  # K splits (each a whole number of load steps)
+    max_registers: int = 0  # ptxas register cap of the PTX launch (0: the compiler's choice)
 
 
 @functools.lru_cache(maxsize=None)  # every decode step asks, with the same few shapes
 def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
     """Tiles of an mma-layout GEMV [N, K]: the format's row blocks per program and depth, K split
     (into whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs."""
-    warps, depth, prefetch = _MMA_LINEAR_TILES[fp8]
+    warps, depth, prefetch, max_registers = _MMA_LINEAR_TILES[fp8]
     depth = fit_chunks(k, MMA_K, depth)
     steps = k // MMA_K // depth
     target = _MMA_LINEAR_WARPS_PER_SM * sms
     options = [d for d in range(1, min(steps, _MMA_LINEAR_MAX_SPLIT) + 1) if steps % d == 0]
     split = next((d for d in options if (n // 16) * d >= target), options[-1])
-    return MmaLinearTiles(warps, depth, prefetch, split)
+    return MmaLinearTiles(warps, depth, prefetch, split, max_registers)
 
 
 @functools.lru_cache(maxsize=None)
 def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False,
-                     paired: bool = False) -> ExpertTiles:
-    """Tiles of an mma-layout expert launch, as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up
-    rows) per warp, num_warps row blocks per program, k_chunks 64-value blocks per load step
-    (shrunk to divide each split's blocks; ``paired``: per matrix of a w13 streaming gate and up
-    together), num_stages 1 + the L2 prefetch distance."""
-    warps, depth, prefetch, split, max_registers = _MMA_EXPERT_TILES[fp8][0 if w13 else 1]
-    if paired and w13:
-        depth = _MMA_W13_PAIRED_DEPTH
+                     one_token: bool = False) -> ExpertTiles:
+    """Tiles of an mma-layout expert launch (_MMA_EXPERT_TILES: by format and whether the step has
+    one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps row
+    blocks per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks;
+    per matrix of a w13 streaming gate and up together), num_stages 1 + the L2 prefetch distance."""
+    warps, depth, prefetch, split, max_registers = _MMA_EXPERT_TILES[(fp8, one_token)][0 if w13 else 1]
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
@@ -230,8 +236,13 @@ def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLine
     compile time, grow with the first two; the prefetch and the cap are PTX's). The splits stay: they
     divide K whatever the depth."""
     if isinstance(t, MmaLinearTiles):
-        return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0)
+        return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0, max_registers=0)
     return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1, max_registers=0)  # stages: 1 + prefetch
+
+
+def register_cap(t: ExpertTiles | MmaLinearTiles) -> dict:
+    """The launch option of a tile's ptxas register cap (max_registers; portable tiles carry none)."""
+    return {"maxnreg": t.max_registers} if t.max_registers else {}
 
 
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
