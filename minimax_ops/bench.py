@@ -21,6 +21,7 @@ import argparse
 import datetime
 import statistics
 import sys
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ from .model import MiniMaxM3DecoderLayer
 from .weights import random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
+ROUNDS = 3  # alternating fused / unfused timings per case
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -43,9 +45,13 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (_time(lambda: dst.copy_(src), graph=False) * 1e-6)
 
 
+WARM_SECONDS = 0.25  # busy time before timing: the first ~0.1 s after a pause measured up to 6% slow
+
+
 def _time(fn, *, graph: bool, iters: int = 30, reps: int = 10) -> float:
     """Median microseconds per call (CUDA events around ``reps`` back-to-back calls, so launch
-    latency between calls is what a decode loop would see), from graph replay when graph=True."""
+    latency between calls is what a decode loop would see), from graph replay when graph=True,
+    after WARM_SECONDS of calls (a GPU that was idle runs its first calls slower)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -58,6 +64,11 @@ def _time(fn, *, graph: bool, iters: int = 30, reps: int = 10) -> float:
         with torch.cuda.graph(g):
             fn()
         run = g.replay
+    warm_until = time.perf_counter() + WARM_SECONDS
+    while time.perf_counter() < warm_until:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,7 +132,10 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
     def unfused():
         return layer(x, residual, pos, cache, meta, True)
 
-    row = {"fused_us": _time(fused, graph=True), "unfused_graph_us": _time(unfused, graph=True),
+    # Fused and unfused graphs alternate over ROUNDS (medians of the rounds): neither gets the warmer GPU.
+    rounds = [(_time(fused, graph=True), _time(unfused, graph=True)) for _ in range(ROUNDS)]
+    row = {"fused_us": statistics.median(r[0] for r in rounds),
+           "unfused_graph_us": statistics.median(r[1] for r in rounds),
            "unfused_eager_us": _time(unfused, graph=False, iters=5)}
     if compile_unfused:
         compiled = torch.compile(unfused, fullgraph=True)
