@@ -1,0 +1,248 @@
+"""A/B of fused-layer variants chosen by environment variables and tile knobs, in one process (H200, one real-size
+sparse MoE layer at TP 1, fp8 KV + index caches, as ``python -m minimax_ops bench`` builds it).
+
+    python benchmarks/ab_fused.py --variants "base;w2d2:W2=2/0/1/128;w13d4:W13=4/0/1/0/1" \
+        [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline]
+
+Besides environment variables a variant may set the mxfp4_mma expert tiles of every step size
+(kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired`` and ``W2=depth/prefetch/split/cap`` (cap:
+ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix), and
+the mxfp8_mma GEMV tiles (qkv, o_proj): ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
+router's tile: ``ROUTER=experts/H``, and ``TWO=1``: two token groups on one expert weight stream for
+MXFP4 too (with an unpaired w13).
+
+Variants alternate round by round (the spread between rounds is the noise floor; the first round of a
+process runs on a GPU that was idle: compare the later ones); each round captures a fresh CUDA graph of
+the fused op under the variant's environment (only switches the code reads at every call take effect;
+MINIMAX_OPS_NO_PDL and the like are read once per process). Prints each variant's new kernels with their
+registers and spills, its median fused time, the unfused graph once per case, a warning where a variant's
+output leaves the first variant's by more than 2e-2, and with --timeline each variant's kernels inside one
+graph replay (profiler; start and end relative to the first kernel, so PDL overlap shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+
+import torch
+
+from minimax_ops.bench import LAYER, _time, copy_bandwidth, step_bytes
+from minimax_ops.cache import allocate_caches, build_step
+from minimax_ops.config import preset
+from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
+from minimax_ops.model import MiniMaxM3DecoderLayer
+from minimax_ops.weights import random_layer_weights, to_kernel_layout
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """"name:A=1,B=2;name2:..." -> [(name, {A: 1, B: 2}), ...]; a name alone sets nothing."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, assigns = item.partition(":")
+        env = dict(a.split("=", 1) for a in filter(None, assigns.split(",")))
+        out.append((name, env))
+    return out
+
+
+# Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
+_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO")
+_BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
+_BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
+_BASE_ROUTER = router.router_config
+_BASE_TWO_GROUPS = moe_mma._two_groups
+
+
+def _set_mxfp4_tiles(w13: str | None, w2: str | None) -> None:
+    """W13 / W2: the mxfp4_mma expert tiles of every step size (None: the table's)."""
+    for key in ((False, True), (False, False)):
+        t13, t2, paired = _BASE_EXPERT_TILES[key]
+        if w13:
+            d, pf, sp, cap, pr = map(int, w13.split("/"))
+            t13, paired = (t13[0], d, pf, sp, cap), bool(pr)
+        if w2:
+            d, pf, sp, cap = map(int, w2.split("/"))
+            t2 = (t2[0], d, pf, sp, cap)
+        tiles._MMA_EXPERT_TILES[key] = (t13, t2, paired)
+    tiles.mma_expert_tiles.cache_clear()
+
+
+def _set_fp8_linear_tiles(lin: str | None) -> None:
+    """LIN: the mxfp8_mma GEMV tiles (qkv, o_proj) and their streams per SM (None: the table's)."""
+    t, per_sm = _BASE_LINEAR
+    if lin:
+        nw, d, pf, cap, per_sm = map(int, lin.split("/"))
+        t = (nw, d, pf, cap)
+    tiles._MMA_LINEAR_TILES[True] = t
+    tiles._MMA_LINEAR_WARPS_PER_SM = per_sm
+    tiles.mma_linear_tiles.cache_clear()
+
+
+def _set_router_tiles(spec: str | None) -> None:
+    """ROUTER: the router's expert and H tile, its H split by the same rule as tiles.router_config (the
+    most splits that keep the grid within two programs per SM); None: router_config's."""
+    if not spec:
+        router.router_config = _BASE_ROUTER
+        return
+    block_e, block_h = map(int, spec.split("/"))
+
+    def config(n_tokens, n_experts, hidden, sms):
+        iters, groups = hidden // block_h, -(-n_experts // block_e)
+        split = max(d for d in range(1, iters + 1) if iters % d == 0 and (groups * d <= 2 * sms or d == 1))
+        return dataclasses.replace(_BASE_ROUTER(n_tokens, n_experts, hidden, sms), block_e=block_e,
+                                   block_h=block_h, split=split)
+    router.router_config = config
+
+
+def _set_two_groups(spec: str | None) -> None:
+    """TWO=1: every mma-layout expert table (MXFP4 too) multiplies steps of more than 8 tokens as two
+    token groups on one weight stream (moe_mma._two_groups; w13 must stream gate, then up: W13=.../0)."""
+    moe_mma._two_groups = (lambda fmt, n, ptx: n > 8 and ptx) if spec == "1" else _BASE_TWO_GROUPS
+
+
+class _Env:
+    """A variant's environment variables and knobs, for the duration of a with block."""
+
+    def __init__(self, env: dict[str, str]):
+        self.knobs = {k: env.get(k) for k in _KNOBS}
+        self.env, self.saved = {k: v for k, v in env.items() if k not in _KNOBS}, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        self._apply(self.knobs)
+
+    def __exit__(self, *exc):
+        self._apply(dict.fromkeys(_KNOBS))
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    @staticmethod
+    def _apply(knobs: dict) -> None:
+        _set_mxfp4_tiles(knobs["W13"], knobs["W2"])
+        _set_fp8_linear_tiles(knobs["LIN"])
+        _set_router_tiles(knobs["ROUTER"])
+        _set_two_groups(knobs["TWO"])
+
+
+def _compiled(kernels) -> dict:
+    """Every compiled specialisation of the given @triton.jit kernels so far, by identity."""
+    out = {}
+    for fn in kernels:
+        for entry in getattr(fn, "device_caches", {}).values():
+            for k in entry[0].values():
+                out[id(k)] = (fn.__name__, getattr(k, "n_regs", None), getattr(k, "n_spills", None))
+    return out
+
+
+def timeline(fn) -> list[tuple[str, float, float]]:
+    """(kernel, start us, end us) of one graph replay of fn, relative to the first kernel's start. The
+    graph is captured inside the profiled region (kernels of a graph captured before it are not
+    traced one by one); the second of two replays is kept."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        for _ in range(2):
+            g.replay()
+            torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                 and not any(w in e.name.lower() for w in ("memcpy", "memset"))), key=lambda e: e.time_range.start)
+    ev = ev[len(ev) // 2:]
+    if not ev:
+        return []
+    t0 = ev[0].time_range.start
+    return [(e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", required=True)
+    ap.add_argument("--experts", default="mxfp4")
+    ap.add_argument("--tokens", default="1")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeline", action="store_true")
+    args = ap.parse_args()
+    variants = parse_variants(args.variants)
+    device = torch.device("cuda")
+    cfg = preset("real")
+    bw = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s", flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    blocks = max(tokens) * (args.context // cfg.sparse_block_size + 1) + 8
+    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
+                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
+                             kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
+                             fill="random")
+    cache = caches[LAYER]
+    gen = torch.Generator().manual_seed(0)
+    for fmt in args.experts.split(","):
+        weights = to_kernel_layout(random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt,
+                                                        generator=gen, device=device))
+        layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
+        for n in tokens:
+            meta = build_step([args.context - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
+                              device=device, generator=gen)
+            x = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
+            residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
+
+            def fused():
+                return layer.fused_forward(x, residual, meta.positions, cache, meta)
+
+            def unfused():
+                return layer(x, residual, meta.positions, cache, meta, True)
+
+            h = torch.randn_like(x)
+            _, ids = torch.ops.minimax.route(h, layer.gate, layer.gate_bias, cfg.num_experts_per_tok,
+                                             cfg.routed_scaling_factor)
+            qkv = torch.ops.minimax.mx_linear(x, layer.qkv, layer.qkv_scale)
+            off = cfg.q_size + 2 * cfg.kv_size
+            iq = qkv[:, off:off + cfg.index_q_size].reshape(-1, cfg.sparse_num_index_heads,
+                                                              cfg.sparse_index_dim).contiguous()
+            bids = torch.ops.minimax.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
+                                                cfg.sparse_topk_blocks)
+            nbytes = step_bytes(layer, cache, meta, ids.cpu(), bids.cpu())
+            ref = fused()[0].float()
+            times = {name: [] for name, _ in variants}
+            expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,
+                              qkv_mma._qkv_norm_rope_insert_kernel)
+            for r in range(args.rounds):
+                for name, env in variants:
+                    with _Env(env):
+                        seen = _compiled(expert_kernels)
+                        times[name].append(_time(fused, graph=True))
+                        if r == 0:
+                            new = [v for k, v in _compiled(expert_kernels).items() if k not in seen]
+                            print(f"  {name}: new kernels (name, registers, spills): {new}", flush=True)
+                        err = ((fused()[0].float() - ref).norm() / ref.norm()).item()
+                        if err > 2e-2:
+                            print(f"  !! {name}: output differs from the first variant's by {err:.3g}")
+            unf = _time(unfused, graph=True)
+            print(f"\n{fmt} tokens {n} ctx {args.context}: {nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, "
+                  f"unfused graph {unf:.1f} us")
+            print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                print(f"  {name:24s} {med:9.1f} {' '.join(f'{t:.1f}' for t in ts):>24s} "
+                      f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x", flush=True)
+            if args.timeline:
+                for name, env in variants:
+                    with _Env(env):
+                        rows = timeline(fused)
+                    print(f"  timeline {name} (us: start, end, duration)")
+                    for kname, t0, t1 in rows:
+                        print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
+        del layer, weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
