@@ -29,8 +29,8 @@ import statistics
 
 import torch
 
-from minimax_ops.bench import LAYER, _time, copy_bandwidth, step_bytes
-from minimax_ops.cache import allocate_caches, build_step
+from minimax_ops.bench import LAYER, _time, copy_bandwidth, layer_cache, touched_bytes
+from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
 from minimax_ops.model import MiniMaxM3DecoderLayer
@@ -177,12 +177,7 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    blocks = max(tokens) * (args.context // cfg.sparse_block_size + 1) + 8
-    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
-                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
-                             kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
-                             fill="random")
-    cache = caches[LAYER]
+    cache, blocks = layer_cache(cfg, max(tokens), args.context, device)
     gen = torch.Generator().manual_seed(0)
     for fmt in args.experts.split(","):
         weights = to_kernel_layout(random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt,
@@ -200,16 +195,7 @@ def main() -> None:
             def unfused():
                 return layer(x, residual, meta.positions, cache, meta, True)
 
-            h = torch.randn_like(x)
-            _, ids = torch.ops.minimax.route(h, layer.gate, layer.gate_bias, cfg.num_experts_per_tok,
-                                             cfg.routed_scaling_factor)
-            qkv = torch.ops.minimax.mx_linear(x, layer.qkv, layer.qkv_scale)
-            off = cfg.q_size + 2 * cfg.kv_size
-            iq = qkv[:, off:off + cfg.index_q_size].reshape(-1, cfg.sparse_num_index_heads,
-                                                              cfg.sparse_index_dim).contiguous()
-            bids = torch.ops.minimax.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
-                                                cfg.sparse_topk_blocks)
-            nbytes = step_bytes(layer, cache, meta, ids.cpu(), bids.cpu())
+            nbytes = touched_bytes(layer, cache, meta, x)
             ref = fused()[0].float()
             times = {name: [] for name, _ in variants}
             expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,

@@ -141,7 +141,14 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
         compiled = torch.compile(unfused, fullgraph=True)
         row["unfused_compiled_us"] = _time(compiled, graph=True)
     row["launches"] = kernel_launches(fused)
-    # What the step touched, for the byte count.
+    row["bytes"] = touched_bytes(layer, cache, meta, x)
+    return row
+
+
+def touched_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, x: torch.Tensor) -> int:
+    """step_bytes of a step of input x: its experts (routed from a random h) and KV blocks (indexed from
+    x's projection) found by running the router and the indexer."""
+    c = layer.config
     h = torch.randn_like(x)
     _, ids = torch.ops.minimax.route(h.to(torch.bfloat16), layer.gate, layer.gate_bias, c.num_experts_per_tok,
                                      c.routed_scaling_factor)
@@ -150,8 +157,18 @@ def bench_case(layer, cache, meta, *, compile_unfused: bool):
     index_q = index_q.reshape(-1, c.sparse_num_index_heads, c.sparse_index_dim).contiguous()
     block_ids = torch.ops.minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
                                              c.sparse_topk_blocks)
-    row["bytes"] = step_bytes(layer, cache, meta, ids.cpu(), block_ids.cpu())
-    return row
+    return step_bytes(layer, cache, meta, ids.cpu(), block_ids.cpu())
+
+
+def layer_cache(cfg, max_tokens: int, max_context: int, device) -> tuple[LayerCache, int]:
+    """(fp8 KV + index cache of the benchmarked layer with random contents, its block count) for steps of
+    up to max_tokens requests of up to max_context tokens."""
+    blocks = max_tokens * (max_context // cfg.sparse_block_size + 1) + 8
+    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
+                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
+                             kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
+                             fill="random")
+    return caches[LAYER], blocks
 
 
 def stage_breakdown(layer, cache, meta) -> list[tuple[str, float, int]]:
@@ -220,12 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset("real")
     bw = copy_bandwidth(device)
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    blocks = max(tokens) * (max(contexts) // cfg.sparse_block_size + 1) + 8
-    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
-                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
-                             kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
-                             fill="random")
-    cache = caches[LAYER]
+    cache, blocks = layer_cache(cfg, max(tokens), max(contexts), device)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for fmt in args.experts.split(","):

@@ -168,11 +168,12 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # steps load 2 blocks a matrix per step and split K in two at 128 registers (480 programs, 4 per SM: all
 # resident at once), larger steps load 4 unsplit; w2 capped at 128 registers (4 programs per SM).
 # mxfp8_mma from the H200 sweep: shallow loads, w13 split in two, gate then up.
+_MXFP8_EXPERT_TILES = ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False)  # every step size
 _MMA_EXPERT_TILES = {
     (False, True): ((4, 2, 0, 2, 128), (4, 4, 0, 1, 128), True),
     (False, False): ((4, 4, 0, 1, 0), (4, 4, 0, 1, 128), True),
-    (True, True): ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False),
-    (True, False): ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False),
+    (True, True): _MXFP8_EXPERT_TILES,
+    (True, False): _MXFP8_EXPERT_TILES,
 }
 
 
