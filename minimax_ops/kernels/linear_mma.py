@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, prefetch_step,
-                         stream_pointers, warp_rows)
+from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
+                         prefetch_step, preload_first, stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
@@ -30,12 +30,14 @@ from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles
 def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
-                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
+                       PRELOAD: tl.constexpr = False):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
     columns of out complete (one split: every program; else the last to arrive), so a caller can
-    run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads)."""
+    run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads).
+    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks)."""
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
@@ -44,6 +46,9 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     kb_split = k_blocks // SPLIT
     kb_begin = tl.program_id(1) * kb_split
     n_steps = kb_split // DEPTH
+    step0 = None
+    if PRELOAD:
+        step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8)
     if PDL:
         if PREFETCH > 0:  # the weights do not depend on the previous kernel: ask for them first
             w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
@@ -61,10 +66,10 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
         if m0 + TOKENS < M:
             y_rows = x_ptr + tl.minimum(g + (m0 + TOKENS), M - 1).to(tl.int64) * stride_xm
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                     PREFETCH, FP8, PDL, 2)
+                                     PREFETCH, FP8, PDL, 2, PRELOADED=PRELOAD, first=step0)
         else:
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                     PREFETCH, FP8, PDL, 1)
+                                     PREFETCH, FP8, PDL, 1, PRELOADED=PRELOAD, first=step0)
         for half in tl.static_range(2):
             part = fold(acc if half == 0 else acc2, NW, DEPTH)
             tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
@@ -89,10 +94,11 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
 def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
-                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr):
+                       PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
+                       PRELOAD: tl.constexpr):
     """Grid (groups of NW row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8)
+                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
 
 
 def linear_tiles(n: int, k: int, device: torch.device, fp8: bool,
@@ -150,7 +156,8 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
-        PREFETCH=t.prefetch, FP8=fp8, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl, **register_cap(t))
+        PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), num_warps=t.num_warps, num_stages=1,
+        launch_pdl=pdl, **register_cap(t))
     return out
 
 
@@ -177,7 +184,7 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
-                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=True),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}", max_registers=t.max_registers))

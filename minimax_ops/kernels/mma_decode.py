@@ -29,6 +29,8 @@ written with whole-tensor ops (slow, exact to fp32 rounding).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -251,15 +253,57 @@ def _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step, n_steps,
 
 
 @triton.jit
-def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr):
-    """Words, FP8's second words (= the words for MXFP4) and scale bytes of the blocks at K block k."""
+def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, mask=None):
+    """Words, FP8's second words (= the words for MXFP4) and scale bytes of the blocks at K block k
+    (nothing read where a mask is given and false)."""
     WORDS: tl.constexpr = 256 if FP8 else 128
-    w = tl.load(w_ptrs + k * WORDS)
+    w = tl.load(w_ptrs + k * WORDS, mask=mask)
     if FP8:
-        w_hi = tl.load(w_ptrs + k * WORDS + 128)
+        w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask)
     else:
         w_hi = w
-    return w, w_hi, tl.load(s_ptrs + k * 32)
+    return w, w_hi, tl.load(s_ptrs + k * 32, mask=mask)
+
+
+@triton.jit
+def _load_x(x_ptrs, y_ptrs, k, GROUPS: tl.constexpr):
+    """The x pairs of one or two token groups at K block k."""
+    x0 = tl.load(x_ptrs + k * 32)
+    x1 = tl.load(x_ptrs + k * 32 + 16)
+    if GROUPS == 2:
+        y0 = tl.load(y_ptrs + k * 32)
+        y1 = tl.load(y_ptrs + k * 32 + 16)
+    else:
+        y0, y1 = x0, x1
+    return x0, x1, y0, y1
+
+
+@triton.jit
+def _weight_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr):
+    """Each lane's word and scale pointers into its block of K block kb_begin, in fragment order."""
+    WORDS: tl.constexpr = 256 if FP8 else 128
+    d, g, c, e = fragment_index(NW, DEPTH)
+    w_ptrs = w_rows + kb_begin * WORDS + ((g * 4 + c) * 4 + d * WORDS + e)
+    s_ptrs = s_rows + kb_begin * 32 + (4 * g + d * 32 + e)  # bytes 4g .. 4g + 3: one 32-bit load
+    return w_ptrs, s_ptrs
+
+
+def preload_first(n_tokens: int) -> bool:
+    """Whether the mma GEMVs and w2 of an n-token step read their first weight step apart, before
+    their PDL wait (``first_blocks``): steps of one token group only (more hold it through several
+    passes, and 16-token steps measured slower with it). MINIMAX_OPS_NO_PRELOAD=1 turns it off
+    (read at every call: A/B runs)."""
+    return n_tokens <= TOKENS.value and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
+
+
+@triton.jit
+def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr = False):
+    """Step 0 of a single-stream block_stream's weights (pass them as its ``first``), read where
+    ``valid`` (a scalar) holds. The weights do not depend on the previous kernel: a programmatic
+    dependent reads them before it waits, so its first DRAM round trip overlaps that kernel's tail
+    instead of following it."""
+    w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
+    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, valid)
 
 
 @triton.jit
@@ -275,13 +319,7 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, step, n_steps, DE
         u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8)
     else:
         u, u_hi, us = w, w_hi, s
-    x0 = tl.load(x_ptrs + k * 32)
-    x1 = tl.load(x_ptrs + k * 32 + 16)
-    if GROUPS == 2:
-        y0 = tl.load(y_ptrs + k * 32)
-        y1 = tl.load(y_ptrs + k * 32 + 16)
-    else:
-        y0, y1 = x0, x1
+    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, k, GROUPS)
     return w, w_hi, s, u, u_hi, us, x0, x1, y0, y1
 
 
@@ -337,7 +375,7 @@ def _halves(t, R: tl.constexpr):
 def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
                  SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                 w_pair=0, s_pair=0):
+                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
@@ -358,21 +396,27 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     are never stored). DEPTH blocks are loaded per step, the next step's while this one is
     multiplied (registers, no shared memory); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is
     asked into L2 first, so those register loads wait on L2 rather than DRAM latency
-    (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``)."""
+    (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``).
+    PRELOADED: ``first`` holds step 0's weights (``first_blocks``, one stream), read by the caller
+    before its PDL wait; the same for every pass over the token groups (the K range is the pass's)."""
     tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
+    tl.static_assert(not (PAIR and PRELOADED), "block_stream: a preloaded first step is one stream's")
     HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH
-    WORDS: tl.constexpr = 256 if FP8 else 128
     d, g, c, e = fragment_index(NW, DEPTH)
-    w_ptrs = w_rows + kb_begin * WORDS + ((g * 4 + c) * 4 + d * WORDS + e)
-    s_ptrs = s_rows + kb_begin * 32 + (4 * g + d * 32 + e)  # bytes 4g .. 4g + 3: one 32-bit load
+    w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
     x_ptrs = x_rows + kb_begin * 32 + (c * 4 + d * 32 + e)
     y_ptrs = y_rows + kb_begin * 32 + (c * 4 + d * 32 + e)
     w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
     if PREFETCH > 0 and not SKIP_PREFETCH:
         for p in tl.static_range(PREFETCH):
             _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, p, n_steps, DEPTH, FP8, PAIR)
-    wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, 0,
-                                                              n_steps, DEPTH, FP8, GROUPS, PAIR)
+    if PRELOADED:
+        wa, ha, sa = first
+        ua, uha, usa = wa, ha, sa
+        xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
+    else:
+        wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, 0,
+                                                                  n_steps, DEPTH, FP8, GROUPS, PAIR)
     for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
         if PREFETCH > 0:
             _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + PREFETCH, n_steps, DEPTH, FP8,

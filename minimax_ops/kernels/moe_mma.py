@@ -30,8 +30,8 @@ import triton.language as tl
 from ..formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import columns_of, slot_weights, swiglu_oai
-from .mma_decode import (TOKENS, block_stream, check_aligned, fold, fragment_index, mma_operands, pair_sets,
-                         warp_rows)
+from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
+                         pair_sets, preload_first, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import mma_expert_tiles, mma_w13_paired, portable_mma_tiles, register_cap
@@ -196,25 +196,31 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
+                   PRELOAD: tl.constexpr):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
-    for the chosen (token, column) pairs."""
+    for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
+    w13 began: PRELOAD reads the first weight step before (PDL) waiting for w13's
+    activations (mma_decode.first_blocks)."""
     expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se,
         stride_sb, stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
     row_w, row_s = tl.multiple_of(row_w, 16), tl.multiple_of(row_s, 16)
     stride_am, stride_acol = tl.multiple_of(stride_am, 16), tl.multiple_of(stride_acol, 16)
+    h_blocks = hidden // 16
+    d, g, c, e = fragment_index(NW, DEPTH)
+    hb = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), h_blocks - 1).to(tl.int64)
+    w_rows, s_rows = w_base + hb * row_w, s_base + hb * row_s
+    kb_split = inter_e // 64 // SPLIT
+    kb_begin = tl.program_id(2) * kb_split
+    n_steps = kb_split // DEPTH
+    step0 = None
+    if PRELOAD:
+        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    h_blocks = hidden // 16
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
-        d, g, c, e = fragment_index(NW, DEPTH)
-        hb = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), h_blocks - 1).to(tl.int64)
-        w_rows, s_rows = w_base + hb * row_w, s_base + hb * row_s
-        kb_split = inter_e // 64 // SPLIT
-        kb_begin = tl.program_id(2) * kb_split
-        n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
         for m0 in range(0, n_tokens, STEP):
             go, both, first, col_x, col_b = _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED, TOPK,
@@ -228,10 +234,10 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                     y_rows = (a_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_am
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, GROUPS=2)
+                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8)
+                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0)
                 _store_y(fold(acc, NW, DEPTH), first, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit,
                          stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
                 if both:
@@ -293,7 +299,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a32, ids, w, s, sw, ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), num_warps=nw2, num_stages=1,
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload_first(n),
+        num_warps=nw2, num_stages=1,
         launch_pdl=pdl, **register_cap(t2), **common)
 
 
@@ -354,7 +361,8 @@ def aot_specs() -> list[KernelSpec]:
                         seen.add(("w2", t2))
                         specs.append(KernelSpec(
                             _mma_w2_kernel, sig2,
-                            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2)),
+                            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
+                                 PRELOAD=True),
                             num_warps=t2.num_warps, num_stages=1, targets=targets,
                             name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}", max_registers=t2.max_registers))
     return specs
