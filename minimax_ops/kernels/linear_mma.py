@@ -6,7 +6,9 @@ Grid (group of NW row blocks, K split): warp w streams row block NW * pid + w (1
 split of K for the step's tokens, 8 a group, two groups per weight load (so 9..16 tokens read the
 weights once). One split stores y; several store fp32 partials and the last split of a group to
 finish sums them in a fixed order (splitk.py). Launched as a programmatic dependent, a program
-asks L2 for its first load steps before it waits for x. Tiles come from tiles.mma_linear_tiles.
+reads its first weight step (steps of one token group: mma_decode.preload_first) or, with tiles
+that say so, asks L2 for its first load steps, before it waits for x. Tiles come from
+tiles.mma_linear_tiles.
 The program is a @triton.jit function of its own (``mma_linear_program``): qkv_mma runs it with
 the qk-norm / RoPE / cache insert as its epilogue.
 """
