@@ -297,11 +297,9 @@ def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
     cases = ((1, 2), (2, 1), (4, 2)) if device == "cuda" else ((1, 2), (2, 1))
     for depth, warps in cases:
         t13 = dataclasses.replace(base13, k_chunks=depth, num_warps=warps, num_stages=1)  # (no L2 prefetch: PTX)
-        streams = {}
-        for paired in (True, False):
-            with monkeypatch.context() as m:
-                m.setattr(moe_mma, "mma_w13_paired", lambda fmt, n_tokens, paired=paired: paired)
-                streams[paired] = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
+        streams = {paired: moe_experts(h, ids, weights, *mma, num_routed_experts=E,
+                                       tiles=(dataclasses.replace(t13, paired=paired), t2))
+                   for paired in (True, False)}
         out, two_streams = streams[True], streams[False]
         assert rel_err(out, want) < 1.5e-2, (depth, warps)
         assert rel_err(out, two_streams) < 5e-3, (depth, warps)

@@ -7,7 +7,7 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
   SwiGLU-OAI -> bf16 a[token, top-k column, i] (split: fp32 partials, the last split to finish sums
   them in order). MXFP4 steps stream the gate and up blocks of each K block together (``PAIRED``,
-  tiles.mma_w13_paired: block_stream's PAIR): one set of x registers feeds both mma chains, each
+  ExpertTiles.paired: block_stream's PAIR): one set of x registers feeds both mma chains, each
   matrix at half the load depth (the same bytes per step) in half as many accumulator sets, and no
   gate result is held while up streams: fewer registers, so more programs fit per SM (one-token
   steps also split H in two: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
@@ -27,14 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA
+from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import columns_of, slot_weights, swiglu_oai
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          pair_sets, preload_first, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import mma_expert_tiles, mma_w13_paired, portable_mma_tiles, register_cap
+from .tiles import mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -274,7 +274,6 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
                   TWO_GROUPS=_two_groups(w13.fmt, n, ptx))
-    paired = mma_w13_paired(w13.fmt, n)
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -291,7 +290,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
-        PAIRED=paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13), **common)
+        PAIRED=t13.paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13), **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -342,8 +341,8 @@ def aot_specs() -> list[KernelSpec]:
                 # as one-token steps and larger steps (16) run them, each distinct kernel once
                 seen = set()
                 for n_tokens in (1, 16):
-                    paired = mma_w13_paired(FMT_MXFP8_MMA if fp8 else FMT_MXFP4_MMA, n_tokens)
                     t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
+                    paired = t13.paired
                     t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
                     t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
                     for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)

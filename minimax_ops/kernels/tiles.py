@@ -107,6 +107,7 @@ class ExpertTiles:
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (see mx_linear.stream_rows)
     fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
     max_registers: int = 0  # ptxas register cap of the mma-layout kernels' PTX launch (0: the compiler's choice)
+    paired: bool = False  # mma-layout w13: each K block's gate and up blocks in one stream (moe_mma's PAIRED)
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -177,12 +178,6 @@ _MMA_EXPERT_TILES = {
 }
 
 
-def mma_w13_paired(fmt: int, n_tokens: int) -> bool:
-    """Whether an mma-layout w13 of a step of n_tokens streams gate and up blocks together
-    (_MMA_EXPERT_TILES)."""
-    return fmt in MMA_CODES and _MMA_EXPERT_TILES[(fmt == FMT_MXFP8_MMA, n_tokens == 1)][2]
-
-
 # mma-layout GEMV (linear_mma.py, qkv_mma.py): (row blocks per program, blocks per load step, L2 prefetch
 # steps, register cap or 0); K is split until the launch has about _MMA_LINEAR_WARPS_PER_SM row-block
 # streams per SM. mxfp8_mma (qkv / o_proj) from the H200 sweep (8 row blocks, no prefetch, ~18 streams
@@ -221,14 +216,16 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     """Tiles of an mma-layout expert launch (_MMA_EXPERT_TILES: by format and whether the step has
     one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps row
     blocks per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks;
-    per matrix of a w13 streaming gate and up together), num_stages 1 + the L2 prefetch distance."""
-    warps, depth, prefetch, split, max_registers = _MMA_EXPERT_TILES[(fp8, one_token)][0 if w13 else 1]
+    per matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
+    distance."""
+    w13_tiles, w2_tiles, paired = _MMA_EXPERT_TILES[(fp8, one_token)]
+    warps, depth, prefetch, split, max_registers = w13_tiles if w13 else w2_tiles
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
         split -= 1
     return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
-                       max_registers=max_registers)
+                       max_registers=max_registers, paired=w13 and paired)
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
