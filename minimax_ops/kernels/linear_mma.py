@@ -22,7 +22,7 @@ import triton.language as tl
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
-                         prefetch_step, preload_first, stream_pointers, warp_rows)
+                         prefetch_step, preload_first, preloads, stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
@@ -170,8 +170,9 @@ AOT_SHAPES = [(64, 128), (9856, 6144), (6144, 8192)]
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Both formats with the heuristic's tiles: the inline-PTX decode (plain and as a PDL dependent)
-    at every shape for CUDA, the portable one at the small shape everywhere."""
+    """Both formats with the heuristic's tiles, as one-token steps launch them: the inline-PTX decode
+    (plain and as a PDL dependent) at every shape for CUDA, the portable one at the small shape
+    everywhere."""
     sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32", "stride_wb": "i32",
            "stride_sb": "i32", "stride_om": "i32"}
@@ -186,7 +187,7 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
-                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=True),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1)),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}", max_registers=t.max_registers))

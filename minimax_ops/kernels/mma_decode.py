@@ -288,12 +288,17 @@ def _weight_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.const
     return w_ptrs, s_ptrs
 
 
+def preloads(n_tokens: int) -> bool:
+    """The rule: the mma GEMVs and w2 of an n-token step read their first weight step apart, before
+    their PDL wait (``first_blocks``), in steps of one token group only (more hold it through
+    several passes, and 16-token steps measured slower with it). The AOT specs follow it as is."""
+    return n_tokens <= TOKENS.value
+
+
 def preload_first(n_tokens: int) -> bool:
-    """Whether the mma GEMVs and w2 of an n-token step read their first weight step apart, before
-    their PDL wait (``first_blocks``): steps of one token group only (more hold it through several
-    passes, and 16-token steps measured slower with it). MINIMAX_OPS_NO_PRELOAD=1 turns it off
-    (read at every call: A/B runs)."""
-    return n_tokens <= TOKENS.value and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
+    """``preloads`` at a launch, unless MINIMAX_OPS_NO_PRELOAD=1 turns it off (read at every call:
+    A/B runs switch it between rounds of one process)."""
+    return preloads(n_tokens) and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
 
 
 @triton.jit

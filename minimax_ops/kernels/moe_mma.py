@@ -31,7 +31,7 @@ from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import columns_of, slot_weights, swiglu_oai
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
-                         pair_sets, preload_first, warp_rows)
+                         pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import mma_expert_tiles, portable_mma_tiles, register_cap
@@ -356,12 +356,14 @@ def aot_specs() -> list[KernelSpec]:
                             num_warps=t13.num_warps, num_stages=1, targets=targets,
                             name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}",
                             max_registers=t13.max_registers))
+                    preload = preloads(n_tokens)  # (as the first step size that runs these tiles)
                     if ("w2", t2) not in seen:
                         seen.add(("w2", t2))
                         specs.append(KernelSpec(
                             _mma_w2_kernel, sig2,
                             dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                                 PRELOAD=True),
+                                 PRELOAD=preload),
                             num_warps=t2.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}", max_registers=t2.max_registers))
+                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{'_preload' if preload else ''}",
+                            max_registers=t2.max_registers))
     return specs

@@ -29,7 +29,7 @@ from ..constants import MAX_TOKENS
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
-from .mma_decode import mma_operands, preload_first
+from .mma_decode import mma_operands, preload_first, preloads
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
@@ -163,7 +163,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
     t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
-                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(tokens))
+                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens))
     name = (f"qkv_norm_rope_insert_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
             f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
