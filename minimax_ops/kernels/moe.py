@@ -198,9 +198,11 @@ def _moe_combine_kernel(y_ptr, topk_weights_ptr, ids_ptr, out_ptr, hidden, strid
         expert = tl.load(ids_ptr + t * TOPK + j)
         ok = (expert >= 0) & (expert < NUM_ROUTED)  # y rows of invalid ids were never written
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
+        # y's loads do not wait for the id (one round trip after the PDL wait, not two): an invalid
+        # id's row is read (in bounds, never written) and dropped by the select, NaNs and all.
         for s in tl.static_range(SPLIT):
-            y += tl.load(y_row + s * stride_ysplit + j * stride_ycol, mask=h_mask & ok, other=0.0)
-        acc += tl.where(ok, tl.load(topk_weights_ptr + t * TOPK + j), 0.0) * y
+            y += tl.load(y_row + s * stride_ysplit + j * stride_ycol, mask=h_mask, other=0.0)
+        acc += tl.where(ok, tl.load(topk_weights_ptr + t * TOPK + j) * y, 0.0)
     tl.store(out_ptr + t * stride_om + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
