@@ -1,23 +1,30 @@
-"""Benchmark of one real-size sparse MoE decode layer (TP 1): the fused op against the unfused path.
+"""Benchmark of a real-size sparse MoE decode layer (TP 1): the fused op against the unfused path.
 
-    python -m minimax_ops bench [--tokens 1,2,4,8,16] [--contexts 4096,32768,131072]
+    python -m minimax_ops bench [--tokens 1,2,4,8,16] [--contexts 4096,32768,131072] [--layers 4]
                                 [--experts mxfp8,mxfp4] [--out BENCHMARKS.md] [--png bench.png]
 
 Per (expert format, tokens, context) it times, from CUDA-graph replay, the fused op
 (``fused_decode_layer``) and the unfused chain of vocabulary ops, and the unfused chain run eagerly
-(and compiled, with --compile). Bytes that must move are counted from the step itself: qkv+index
-and o_proj weights, the router, the distinct experts the step's tokens chose plus the shared expert,
-the KV rows of the blocks each (request, kv head) selected, the index keys of every request, and
-activations. Achieved TB/s is bytes / fused time; % is against a device-to-device copy measured in
-the same run. Requests have query_len 1 (one token each), fp8 KV and index caches. Weights are in
-the layout a deployment loads (weights.to_kernel_layout; ``--layout tiled`` / ``canonical``), the
-same for the fused op and the unfused chain; "launches" counts the kernels one
-fused call runs (profiler). MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
+(and compiled, with --compile). Times are per layer inside one CUDA graph of ``--layers`` consecutive
+sparse MoE layers (distinct weights and caches, each layer fed the previous one's output, all on the
+step's metadata), as a model step runs them: there a layer pays no graph-launch boundary, and the
+fused op's first kernel starts as a programmatic dependent of the previous layer's last one. The
+last two columns time a graph of the first layer alone (what earlier runs reported), where every
+replay pays that boundary. Bytes that must move are counted from the step itself, per layer (the
+mean over the layers, whose routing differs): qkv+index and o_proj weights, the router, the distinct
+experts the step's tokens chose plus the shared expert, the KV rows of the blocks each (request, kv
+head) selected, the index keys of every request, and activations. Achieved TB/s is bytes / fused
+time per layer; % is against a device-to-device copy measured in the same run. Requests have
+query_len 1 (one token each), fp8 KV and index caches. Weights are in the layout a deployment loads
+(weights.to_kernel_layout; ``--layout tiled`` / ``canonical``), the same for the fused op and the
+unfused chain; "launches" counts the kernels one fused call (one layer) runs (profiler).
+MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -28,10 +35,11 @@ import torch
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
-from .weights import random_layer_weights, to_kernel_layout
+from .weights import LayerWeights, random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
 ROUNDS = 3  # alternating fused / unfused timings per case
+LAYERS = 4  # consecutive layers per timed graph (--layers)
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -118,30 +126,42 @@ def step_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, topk_ids, 
     return total
 
 
-def bench_case(layer, cache, meta, *, compile_unfused: bool):
-    device = cache.kv.device
-    c = layer.config
+def layer_chain(layers, caches, x, residual, meta, *, fused: bool):
+    """One step through the layers in order (fused ops or the unfused chain), each fed the previous
+    one's (out, residual), all on the step's metadata, as a model step runs them."""
+    def run():
+        h, r = x, residual
+        for layer, cache in zip(layers, caches):
+            h, r = (layer.fused_forward(h, r, meta.positions, cache, meta) if fused
+                    else layer(h, r, meta.positions, cache, meta, True))
+        return h, r
+    return run
+
+
+def bench_case(layers, caches, meta, *, compile_unfused: bool):
+    """Microseconds per layer of the chain of all the layers, and of the first layer alone in its own
+    graph (the ``*_1layer_us`` keys); bytes per layer; fused kernel launches of one layer."""
+    device = caches[0].kv.device
+    c, depth = layers[0].config, len(layers)
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(meta.num_tokens, c.hidden_size, generator=gen, device=device).to(torch.bfloat16)
     residual = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
-    pos = meta.positions
-
-    def fused():
-        return layer.fused_forward(x, residual, pos, cache, meta)
-
-    def unfused():
-        return layer(x, residual, pos, cache, meta, True)
-
-    # Fused and unfused graphs alternate over ROUNDS (medians of the rounds): neither gets the warmer GPU.
-    rounds = [(_time(fused, graph=True), _time(unfused, graph=True)) for _ in range(ROUNDS)]
-    row = {"fused_us": statistics.median(r[0] for r in rounds),
-           "unfused_graph_us": statistics.median(r[1] for r in rounds),
-           "unfused_eager_us": _time(unfused, graph=False, iters=5)}
+    fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
+    timed = {"fused_us": fused, "unfused_graph_us": unfused}
+    if depth > 1:
+        timed["fused_1layer_us"], timed["unfused_1layer_us"] = (
+            layer_chain(layers[:1], caches[:1], x, residual, meta, fused=f) for f in (True, False))
+    # All graphs alternate over ROUNDS (medians of the rounds): none gets the warmer GPU.
+    rounds = [{k: _time(fn, graph=True) for k, fn in timed.items()} for _ in range(ROUNDS)]
+    row = {k: statistics.median(r[k] for r in rounds) / (1 if "1layer" in k else depth) for k in timed}
+    if depth == 1:
+        row["fused_1layer_us"], row["unfused_1layer_us"] = row["fused_us"], row["unfused_graph_us"]
+    row["unfused_eager_us"] = _time(unfused, graph=False, iters=5) / depth
     if compile_unfused:
         compiled = torch.compile(unfused, fullgraph=True)
-        row["unfused_compiled_us"] = _time(compiled, graph=True)
-    row["launches"] = kernel_launches(fused)
-    row["bytes"] = touched_bytes(layer, cache, meta, x)
+        row["unfused_compiled_us"] = _time(compiled, graph=True) / depth
+    row["launches"] = kernel_launches(layer_chain(layers[:1], caches[:1], x, residual, meta, fused=True))
+    row["bytes"] = statistics.mean(touched_bytes(layer, cache, meta, x) for layer, cache in zip(layers, caches))
     return row
 
 
@@ -160,15 +180,41 @@ def touched_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, x: torc
     return step_bytes(layer, cache, meta, ids.cpu(), block_ids.cpu())
 
 
-def layer_cache(cfg, max_tokens: int, max_context: int, device) -> tuple[LayerCache, int]:
-    """(fp8 KV + index cache of the benchmarked layer with random contents, its block count) for steps of
-    up to max_tokens requests of up to max_context tokens."""
+def layer_caches(cfg, count: int, max_tokens: int, max_context: int, device) -> tuple[list[LayerCache], int]:
+    """(fp8 KV + index caches of ``count`` consecutive sparse MoE layers from LAYER on, with random contents,
+    their block count) for steps of up to max_tokens requests of up to max_context tokens."""
     blocks = max_tokens * (max_context // cfg.sparse_block_size + 1) + 8
-    caches = allocate_caches(cfg.replace(num_hidden_layers=4, moe_layer_freq=(0, 0, 0, 1),
-                                         sparse_attention_freq=(0, 0, 0, 1)), blocks,
+    # The dense layers before LAYER are allocated (and dropped) too: layer LAYER's cache is then drawn
+    # as in earlier single-layer runs.
+    sparse = (0,) * LAYER + (1,) * count
+    caches = allocate_caches(cfg.replace(num_hidden_layers=LAYER + count, moe_layer_freq=sparse,
+                                         sparse_attention_freq=sparse), blocks,
                              kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, device=device,
                              fill="random")
-    return caches[LAYER], blocks
+    return caches[LAYER:], blocks
+
+
+def layer_cache(cfg, max_tokens: int, max_context: int, device) -> tuple[LayerCache, int]:
+    """layer_caches of the one benchmarked layer."""
+    caches, blocks = layer_caches(cfg, 1, max_tokens, max_context, device)
+    return caches[0], blocks
+
+
+def clone_weights(w: LayerWeights) -> LayerWeights:
+    """The weights in fresh memory (same strides, hence same layout)."""
+    return dataclasses.replace(w, **{k: v.clone() for k, v in w.tensors().items()})
+
+
+def build_layers(cfg, fmt: str, count: int, layout: str, generator, device) -> list[MiniMaxM3DecoderLayer]:
+    """``count`` sparse MoE layers of random weights (the first drawn, the rest its copies: drawing and
+    quantising a real-size expert table is slow, and what a chain needs is that no layer finds another's
+    weights in L2), indexed LAYER, LAYER + 1, ... (layer_index only labels checked-mode reports)."""
+    weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=generator,
+                                   device=device)
+    if layout != "canonical":
+        weights = to_kernel_layout(weights, tiled=layout == "tiled", mma=None if layout == "kernel" else False)
+    copies = [weights] + [clone_weights(weights) for _ in range(count - 1)]
+    return [MiniMaxM3DecoderLayer(cfg, w, LAYER + i).to(device) for i, w in enumerate(copies)]
 
 
 def stage_breakdown(layer, cache, meta) -> list[tuple[str, float, int]]:
@@ -220,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--experts", default="mxfp4,mxfp8")
+    ap.add_argument("--layers", type=int, default=LAYERS,
+                    help="consecutive layers (distinct weights and caches) per timed graph; times are per layer")
     ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
@@ -228,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights: weights.to_kernel_layout (kernel: the mxfp4_mma / mxfp8_mma layouts), the same "
                          "without them (MXFP4 as words), tiled, or the checkpoint's")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers: expected at least 1")
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -236,22 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(t) for t in args.contexts.split(",")]
     cfg = preset("real")
     bw = copy_bandwidth(device)
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    cache, blocks = layer_cache(cfg, max(tokens), max(contexts), device)
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s. {timing_note(args.layers)}",
+          flush=True)
+    caches, blocks = layer_caches(cfg, args.layers, max(tokens), max(contexts), device)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for fmt in args.experts.split(","):
-        weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=gen,
-                                       device=device)
-        if args.layout != "canonical":
-            weights = to_kernel_layout(weights, tiled=args.layout == "tiled",
-                                       mma=None if args.layout == "kernel" else False)
-        layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
+        layers = build_layers(cfg, fmt, args.layers, args.layout, gen, device)
         for ctx in contexts:
             for n in tokens:
                 meta = build_step([ctx - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
                                   device=device, generator=gen)
-                row = bench_case(layer, cache, meta,
+                row = bench_case(layers, caches, meta,
                                  compile_unfused=args.compile and ctx == contexts[len(contexts) // 2] and n in (1, 16))
                 row.update(experts=fmt, tokens=n, context=ctx)
                 row["tbps"] = row["bytes"] / (row["fused_us"] * 1e-6) / 1e12
@@ -260,21 +306,33 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
                 if args.stages and ctx == contexts[0]:
-                    for name, us, nbytes in stage_breakdown(layer, cache, meta):
+                    for name, us, nbytes in stage_breakdown(layers[0], caches[0], meta):
                         rate = f", {nbytes / (us * 1e-6) / 1e12:.2f} TB/s of weights" if nbytes else ""
                         print(f"    stage {name:30s} {us:8.1f} us{rate}", flush=True)
-        del layer, weights
+        del layers
+        if args.compile:
+            torch._dynamo.reset()  # compiled chains may hold this format's layers
         torch.cuda.empty_cache()
     table = format_table(rows, bw)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Benchmarks\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch "
-                    f"{torch.__version__}, triton {_triton_version()}\n\nCommand: `python -m minimax_ops bench "
-                    f"{' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
+                    f"{torch.__version__}, triton {_triton_version()}. {timing_note(args.layers)}\n\n"
+                    f"Command: `python -m minimax_ops bench {' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
     if args.png:
-        plot(rows, args.png)
+        plot(rows, args.png, args.layers)
     return 0
+
+
+def timing_note(layers: int) -> str:
+    """What the table's times are, for its header."""
+    if layers == 1:
+        return ("Times are of one sparse MoE layer alone in a CUDA graph (what earlier runs reported; the last two "
+                "columns repeat them).")
+    return (f"Times are per layer inside a CUDA graph of {layers} consecutive sparse MoE layers (distinct weights "
+            "and caches, each layer fed the previous one's output, as a model step runs them); the last two "
+            "columns are a graph of the one layer alone (what earlier runs reported).")
 
 
 def _triton_version() -> str:
@@ -286,7 +344,8 @@ def _triton_version() -> str:
 
 
 HEADER = ("| experts | tokens | context | fused us | floor us | MB moved | TB/s | % of copy BW | unfused graph us | "
-          "unfused eager us | unfused compiled us | speedup vs graph | speedup vs eager | launches |")
+          "unfused eager us | unfused compiled us | speedup vs graph | speedup vs eager | launches | "
+          "fused us, 1-layer graph | unfused us, 1-layer graph |")
 
 
 def format_row(r: dict) -> str:
@@ -294,7 +353,8 @@ def format_row(r: dict) -> str:
     return (f"| {r['experts']} | {r['tokens']} | {r['context'] // 1024}k | {r['fused_us']:.1f} | {r['floor_us']:.1f} | "
             f"{r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | {r['pct']:.0f}% | {r['unfused_graph_us']:.1f} | "
             f"{r['unfused_eager_us']:.1f} | {comp} | {r['unfused_graph_us'] / r['fused_us']:.2f}x | "
-            f"{r['unfused_eager_us'] / r['fused_us']:.2f}x | {r.get('launches') or '-'} |")
+            f"{r['unfused_eager_us'] / r['fused_us']:.2f}x | {r.get('launches') or '-'} | "
+            f"{r['fused_1layer_us']:.1f} | {r['unfused_1layer_us']:.1f} |")
 
 
 def format_table(rows: list[dict], bw: float) -> str:
@@ -304,7 +364,7 @@ def format_table(rows: list[dict], bw: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, layers: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -315,7 +375,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per step")
     ax.set_ylabel("% of measured copy bandwidth")
-    ax.set_title("fused_decode_layer, one MiniMax-M3 sparse MoE layer, TP 1")
+    ax.set_title(f"fused_decode_layer per MiniMax-M3 sparse MoE layer, graph of {layers} layers, TP 1")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
