@@ -2,7 +2,7 @@
 sparse MoE layer at TP 1, fp8 KV + index caches, as ``python -m minimax_ops bench`` builds it).
 
     python benchmarks/ab_fused.py --variants "base;w2d2:W2=2/0/1/128;w13d4:W13=4/0/1/0/1" \
-        [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline]
+        [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline] [--layers 1]
 
 Besides environment variables a variant may set the mxfp4_mma expert tiles of every step size
 (kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired`` and ``W2=depth/prefetch/split/cap`` (cap:
@@ -29,12 +29,10 @@ import statistics
 
 import torch
 
-from minimax_ops.bench import LAYER, _time, copy_bandwidth, layer_cache, touched_bytes
+from minimax_ops.bench import _time, build_layers, copy_bandwidth, layer_caches, layer_chain, touched_bytes
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
-from minimax_ops.model import MiniMaxM3DecoderLayer
-from minimax_ops.weights import random_layer_weights, to_kernel_layout
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -170,6 +168,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="time a graph of this many consecutive layers (as the benchmark's --layers); us per layer")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     device = torch.device("cuda")
@@ -177,25 +177,18 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    cache, blocks = layer_cache(cfg, max(tokens), args.context, device)
+    caches, blocks = layer_caches(cfg, args.layers, max(tokens), args.context, device)
     gen = torch.Generator().manual_seed(0)
     for fmt in args.experts.split(","):
-        weights = to_kernel_layout(random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt,
-                                                        generator=gen, device=device))
-        layer = MiniMaxM3DecoderLayer(cfg, weights, LAYER).to(device)
+        layers = build_layers(cfg, fmt, args.layers, "kernel", gen, device)
         for n in tokens:
             meta = build_step([args.context - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
                               device=device, generator=gen)
             x = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
             residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
 
-            def fused():
-                return layer.fused_forward(x, residual, meta.positions, cache, meta)
-
-            def unfused():
-                return layer(x, residual, meta.positions, cache, meta, True)
-
-            nbytes = touched_bytes(layer, cache, meta, x)
+            fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
+            nbytes = touched_bytes(layers[0], caches[0], meta, x)
             ref = fused()[0].float()
             times = {name: [] for name, _ in variants}
             expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,
@@ -204,16 +197,16 @@ def main() -> None:
                 for name, env in variants:
                     with _Env(env):
                         seen = _compiled(expert_kernels)
-                        times[name].append(_time(fused, graph=True))
+                        times[name].append(_time(fused, graph=True) / args.layers)
                         if r == 0:
                             new = [v for k, v in _compiled(expert_kernels).items() if k not in seen]
                             print(f"  {name}: new kernels (name, registers, spills): {new}", flush=True)
                         err = ((fused()[0].float() - ref).norm() / ref.norm()).item()
                         if err > 2e-2:
                             print(f"  !! {name}: output differs from the first variant's by {err:.3g}")
-            unf = _time(unfused, graph=True)
-            print(f"\n{fmt} tokens {n} ctx {args.context}: {nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, "
-                  f"unfused graph {unf:.1f} us")
+            unf = _time(unfused, graph=True) / args.layers
+            print(f"\n{fmt} tokens {n} ctx {args.context}, {args.layers} layer(s) a graph, us per layer: "
+                  f"{nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, unfused graph {unf:.1f} us")
             print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
             for name, ts in times.items():
                 med = statistics.median(ts)
@@ -226,7 +219,7 @@ def main() -> None:
                     print(f"  timeline {name} (us: start, end, duration)")
                     for kname, t0, t1 in rows:
                         print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
-        del layer, weights
+        del layers
         torch.cuda.empty_cache()
 
 
