@@ -24,7 +24,6 @@ MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import sys
@@ -35,7 +34,7 @@ import torch
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
-from .weights import LayerWeights, random_layer_weights, to_kernel_layout
+from .weights import random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
 ROUNDS = 3  # alternating fused / unfused timings per case
@@ -194,17 +193,6 @@ def layer_caches(cfg, count: int, max_tokens: int, max_context: int, device) -> 
     return caches[LAYER:], blocks
 
 
-def layer_cache(cfg, max_tokens: int, max_context: int, device) -> tuple[LayerCache, int]:
-    """layer_caches of the one benchmarked layer."""
-    caches, blocks = layer_caches(cfg, 1, max_tokens, max_context, device)
-    return caches[0], blocks
-
-
-def clone_weights(w: LayerWeights) -> LayerWeights:
-    """The weights in fresh memory (same strides, hence same layout)."""
-    return dataclasses.replace(w, **{k: v.clone() for k, v in w.tensors().items()})
-
-
 def build_layers(cfg, fmt: str, count: int, layout: str, generator, device) -> list[MiniMaxM3DecoderLayer]:
     """``count`` sparse MoE layers of random weights (the first drawn, the rest its copies: drawing and
     quantising a real-size expert table is slow, and what a chain needs is that no layer finds another's
@@ -213,7 +201,7 @@ def build_layers(cfg, fmt: str, count: int, layout: str, generator, device) -> l
                                    device=device)
     if layout != "canonical":
         weights = to_kernel_layout(weights, tiled=layout == "tiled", mma=None if layout == "kernel" else False)
-    copies = [weights] + [clone_weights(weights) for _ in range(count - 1)]
+    copies = [weights] + [weights.map(torch.Tensor.clone) for _ in range(count - 1)]  # (same strides)
     return [MiniMaxM3DecoderLayer(cfg, w, LAYER + i).to(device) for i, w in enumerate(copies)]
 
 

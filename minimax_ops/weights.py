@@ -49,8 +49,12 @@ class LayerWeights:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
+    def map(self, fn) -> "LayerWeights":
+        """The same weights with fn applied to every tensor (other fields as they are)."""
+        return dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+
     def to(self, device) -> "LayerWeights":
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+        return self.map(lambda t: t.to(device))
 
     @property
     def shared_in_table(self) -> bool:
