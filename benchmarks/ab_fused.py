@@ -9,7 +9,7 @@ Besides environment variables a variant may set the mxfp4_mma expert tiles of ev
 ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix), and
 the mxfp8_mma GEMV tiles (qkv, o_proj): ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
 router's tile: ``ROUTER=experts/H``, and ``TWO=1``: two token groups on one expert weight stream for
-MXFP4 too (with an unpaired w13).
+MXFP4 too (with an unpaired w13), ``TWO=0``: for no format (MXFP8 too).
 
 Variants alternate round by round (the spread between rounds is the noise floor; the first round of a
 process runs on a GPU that was idle: compare the later ones); each round captures a fresh CUDA graph of
@@ -96,8 +96,10 @@ def _set_router_tiles(spec: str | None) -> None:
 
 def _set_two_groups(spec: str | None) -> None:
     """TWO=1: every mma-layout expert table (MXFP4 too) multiplies steps of more than 8 tokens as two
-    token groups on one weight stream (moe_mma._two_groups; w13 must stream gate, then up: W13=.../0)."""
-    moe_mma._two_groups = (lambda fmt, n, ptx: n > 8 and ptx) if spec == "1" else _BASE_TWO_GROUPS
+    token groups on one weight stream (moe_mma._two_groups; w13 must stream gate, then up: W13=.../0);
+    TWO=0: none does (MXFP8 too: one token group a pass)."""
+    two = {"1": lambda fmt, n, ptx: n > 8 and ptx, "0": lambda fmt, n, ptx: False}
+    moe_mma._two_groups = two.get(spec, _BASE_TWO_GROUPS)
 
 
 class _Env:

@@ -305,3 +305,29 @@ def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
         out, two_streams = streams[True], streams[False]
         assert rel_err(out, want) < 1.5e-2, (depth, warps)
         assert rel_err(out, two_streams) < 5e-3, (depth, warps)
+
+
+@pytest.mark.parametrize("fmt, shared", [("mxfp4", "separate"), ("mxfp4", "table"), ("mxfp8", "table")])
+def test_routed_experts_take_compacted_token_passes(fmt, shared, device, monkeypatch):
+    """Steps of more than 8 tokens: a routed expert's passes take the tokens that chose it (kernel
+    COMPACT). An expert chosen by 12 of 16 tokens (two passes, the second part-filled), one chosen
+    by tokens of both 8-token groups (one pass), one by a single token of the second group; an
+    invalid id and a zero padding row. Matches the reference and, bit for bit, the fixed 8-token
+    groups (each token's products are the same whichever mma column carries it)."""
+    torch.manual_seed(60)
+    n, hidden, inter = 16, 128, 64
+    h = torch.randn(n, hidden, device=device).bfloat16()
+    ids = torch.tensor([[0, 1]] * 4 + [[0, 2]] * 4 + [[0, 1]] * 4 + [[2, 1], [3, 0], [1, 2], [1, 2]]).int()
+    ids[5, 1] = -1  # an invalid id adds nothing
+    weights = torch.rand(n, K) + 0.1
+    h[n - 1] = 0
+    weights[n - 1] = 0
+    ids, weights = ids.to(device), weights.to(device)
+    canonical, mma = _tables(device, E + (shared == "table"), shared == "separate", inter, fmt, hidden, inter)
+    keep = torch.where(ids >= 0, ids, 0)
+    want = ref.moe_experts(h, keep, torch.where(ids == keep, weights, 0.0), *canonical, num_routed_experts=E)
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2
+    assert (out[n - 1] == 0).all()
+    monkeypatch.setenv("MINIMAX_OPS_NO_COMPACT", "1")
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))

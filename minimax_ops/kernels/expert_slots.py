@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
+TOKEN_CHUNK = tl.constexpr(16)  # tokens whose top-k ids are compared per step when compacting an expert's tokens
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: t
                SHARED_ONLY: tl.constexpr):
     """token_columns for a 2-D tensor of token indices: the top-k column that chose `expert`
     (TOPK for the shared expert), -1 where the token chose it not or does not exist."""
-    valid = tok < n_tokens
+    valid = (tok >= 0) & (tok < n_tokens)
     col = tl.where(valid, TOPK, -1)
     if not SHARED_ONLY:
         k = tl.arange(0, K_POW2)[None, None, :]
@@ -97,6 +98,44 @@ def columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: t
         routed = tl.max(tl.where(ids == expert, k, -1), axis=2)
         col = tl.where(expert == NUM_ROUTED, col, routed)
     return col
+
+
+@triton.jit
+def _chosen(ids_ptr, t0, n_tokens, expert, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """Tokens t0 .. t0 + TOKEN_CHUNK - 1 and whether each chose ``expert`` (int32 1 / 0)."""
+    t = t0 + tl.arange(0, TOKEN_CHUNK)
+    k = tl.arange(0, K_POW2)
+    ids = tl.load(ids_ptr + t[:, None] * TOPK + k[None, :], mask=(t < n_tokens)[:, None] & (k < TOPK)[None, :],
+                  other=-1)
+    return t, tl.max((ids == expert).to(tl.int32), axis=1)
+
+
+@triton.jit
+def chooser_count(ids_ptr, n_tokens, expert, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """How many of the step's tokens chose the routed expert ``expert``."""
+    count = n_tokens * 0
+    for t0 in range(0, n_tokens, TOKEN_CHUNK):
+        count += tl.sum(_chosen(ids_ptr, t0, n_tokens, expert, TOPK, K_POW2)[1], axis=0)
+    return count
+
+
+@triton.jit
+def chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """The token of each rank (an int32 tensor [R, C]): with ``compact`` the rank-th token, in token
+    order, that chose ``expert``; else the token ``rank`` itself; -1 past the last. Expert passes of
+    up to 8 tokens then carry only tokens that chose the expert, so a routed expert chosen by 8 or
+    fewer tokens of a larger step streams its weights once."""
+    tok = tl.where(rank < n_tokens, rank, -1)
+    if compact:
+        tok = tl.zeros_like(tok) - 1
+        base = n_tokens * 0
+        for t0 in range(0, n_tokens, TOKEN_CHUNK):
+            t, chosen = _chosen(ids_ptr, t0, n_tokens, expert, TOPK, K_POW2)
+            r = base + tl.cumsum(chosen, axis=0) - 1
+            hit = (chosen > 0)[None, None, :] & (r[None, None, :] == rank[:, :, None])
+            tok = tl.maximum(tok, tl.max(tl.where(hit, t[None, None, :], -1), axis=2))
+            base += tl.sum(chosen, axis=0)
+    return tok
 
 
 def aot_specs() -> list:

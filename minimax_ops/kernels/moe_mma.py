@@ -14,14 +14,18 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   already at 3+ programs per SM) and paired token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits.
-Tokens go 8 per pass (the mma's N); steps of 9-16 tokens with mxfp8_mma tables go as two groups on
-one weight stream (``_two_groups``); a group that did not choose the slot's expert is not
-multiplied, so a routed expert streams its weights once per step.
+Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
+only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
+groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
+streams it once unless more than 8 tokens chose it; the shared expert takes every token. With fixed
+groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
+and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import triton
@@ -29,7 +33,7 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
-from .expert_slots import columns_of, slot_weights, swiglu_oai
+from .expert_slots import chooser_count, chooser_tokens, columns_of, slot_weights, swiglu_oai
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
@@ -38,45 +42,68 @@ from .tiles import mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
-def _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+def _token_groups(ids_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
                   K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TWO_GROUPS: tl.constexpr):
-    """Which token groups of the pass at m0 (one, or two with TWO_GROUPS: m0 and m0 + 8) chose
-    ``expert``, g the lanes' token row in a group: (go: any did, both: two did, first: the token
-    offset of the first that did, col_first / col_second: the lanes' top-k columns in that group
-    and in the second, -1 where a token did not choose it)."""
-    col_a = columns_of(ids_ptr, m0 + g, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    """Which token groups of the pass at rank m0 (one, or two with TWO_GROUPS: ranks m0 and m0 + 8;
+    ranks name tokens through expert_slots.chooser_tokens) chose ``expert``, g the lanes' rank in a
+    group: (go: any did, both: two did, first: the rank offset of the first that did, tok_first /
+    col_first: the lanes' tokens (-1: none) and top-k columns (-1 where a token did not choose it) in
+    that group, tok_b / col_b: the same in the second)."""
+    tok_a = chooser_tokens(ids_ptr, n_tokens, expert, m0 + g, compact, TOPK, K_POW2)
+    col_a = columns_of(ids_ptr, tok_a, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
     any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
     if TWO_GROUPS:
-        col_b = columns_of(ids_ptr, g + (m0 + TOKENS), n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+        tok_b = chooser_tokens(ids_ptr, n_tokens, expert, g + (m0 + TOKENS), compact, TOPK, K_POW2)
+        col_b = columns_of(ids_ptr, tok_b, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
         any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
         go = any_a | any_b
         both = any_a & any_b
         first = tl.where(any_a, m0, m0 + TOKENS)
+        tok_first = tl.where(any_a, tok_a, tok_b)
         col_first = tl.where(any_a, col_a, col_b)
     else:
+        tok_b = tok_a
         col_b = col_a
         go = any_a
         both = False
         first = m0
+        tok_first = tok_a
         col_first = col_a
-    return go, both, first, col_first, col_b
+    return go, both, first, tok_first, col_first, tok_b, col_b
+
+
+@triton.jit
+def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+              SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr):
+    """(compact, ranks): whether the slot's passes take only the tokens that chose its expert (a
+    routed expert in a step of more than one token group), and how many ranks its passes cover."""
+    if COMPACT and not SHARED_ONLY:
+        compact = (n_tokens > TOKENS) & (expert != NUM_ROUTED)
+    else:
+        compact = n_tokens < 0  # (never)
+    ranks = n_tokens
+    if compact:
+        ranks = chooser_count(ids_ptr, n_tokens, expert, TOPK, K_POW2)
+    return compact, ranks
 
 
 @triton.jit
 def _fragment_out(m0, NW: tl.constexpr):
-    """(token, output row) of each register of a folded [NW * 32, 4] fragment of token group m0 and
-    this program's NW row blocks (computed where they are stored: nothing held across the K loop)."""
+    """(rank, output row) of each register of a folded [NW * 32, 4] fragment of the token group at
+    rank m0 and this program's NW row blocks (computed where they are stored: nothing held across
+    the K loop)."""
     d1, g1, c1, e1 = fragment_index(NW, 1)
     return 2 * c1 + e1 % 2 + m0, (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
 
 
 @triton.jit
-def _store_gate_up(gate, up, m0, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
                    TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
                    NW: tl.constexpr):
-    """Token group m0's (gate, up) fragments: SwiGLU -> a (one split), or fp32 partials."""
-    tok, i_out = _fragment_out(m0, NW)
+    """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
+    rank, i_out = _fragment_out(m0, NW)
+    tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
@@ -90,10 +117,11 @@ def _store_gate_up(gate, up, m0, inter_e, ids_ptr, n_tokens, expert, a_ptr, part
 
 
 @triton.jit
-def _store_y(acc, m0, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
+def _store_y(acc, m0, compact, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
              NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr,
              NW: tl.constexpr):
-    tok, h_out = _fragment_out(m0, NW)
+    rank, h_out = _fragment_out(m0, NW)
+    tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
     y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
     tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
@@ -108,7 +136,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr):
+                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -141,11 +169,12 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         kb_begin = tl.program_id(2) * kb_split
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        for m0 in range(0, n_tokens, STEP):
-            go, both, first, _, _ = _token_groups(ids_ptr, m0, fragment_index(NW, 1)[1], n_tokens, expert, NUM_ROUTED,
-                                                  TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS)
+        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
+        for m0 in range(0, ranks, STEP):
+            go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED,
+                                                                TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS)
             if go:
-                x_rows = h_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_hm
+                x_rows = h_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_hm  # (no token: any readable row)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
                 if PAIRED:  # gate and up blocks of each K block in one stream, on one set of x loads
                     zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
@@ -153,7 +182,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                                             PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s)
                     gate2, up2 = zero, zero  # (unused: PAIRED passes take one token group, both is False)
                 elif both:
-                    y_rows = h_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_hm
+                    y_rows = h_ptr + tl.maximum(tok_y, 0).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
                                                DEPTH, PTX, PREFETCH, FP8, GROUPS=2)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
@@ -167,11 +196,11 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
-                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, inter_e, ids_ptr, n_tokens,
+                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, compact, inter_e, ids_ptr, n_tokens,
                                expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol,
                                alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
                 if both:
-                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, inter_e, ids_ptr,
+                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, compact, inter_e, ids_ptr,
                                    n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
                                    stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
         if SPLIT > 1:
@@ -197,7 +226,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
-                   PRELOAD: tl.constexpr):
+                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD reads the first weight step before (PDL) waiting for w13's
@@ -222,35 +251,44 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        for m0 in range(0, n_tokens, STEP):
-            go, both, first, col_x, col_b = _token_groups(ids_ptr, m0, g, n_tokens, expert, NUM_ROUTED, TOPK,
-                                                          K_POW2, SHARED_ONLY, TWO_GROUPS)
+        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
+        for m0 in range(0, ranks, STEP):
+            go, both, first, tok_x, col_x, tok_b, col_b = _token_groups(ids_ptr, m0, g, n_tokens, expert, compact,
+                                                                        NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                                                                        TWO_GROUPS)
             if go:
-                # unchosen rows: any readable row
-                x_rows = (a_ptr + tl.minimum(first + g, n_tokens - 1).to(tl.int64) * stride_am
+                # lanes without a token: any readable row
+                x_rows = (a_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_am
                           + tl.maximum(col_x, 0) * stride_acol)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
                 if both:
-                    y_rows = (a_ptr + tl.minimum(g + (m0 + TOKENS), n_tokens - 1).to(tl.int64) * stride_am
+                    y_rows = (a_ptr + tl.maximum(tok_b, 0).to(tl.int64) * stride_am
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0)
-                _store_y(fold(acc, NW, DEPTH), first, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit,
+                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit,
                          stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
                 if both:
-                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, hidden, ids_ptr, n_tokens, expert, y_ptr,
+                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, n_tokens, expert, y_ptr,
                              stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
 
 
 def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
     """Whether the kernels pair two token groups on one weight stream: mxfp8_mma steps of more than
-    8 tokens on the PTX path (the paired code's registers cost the one-group steps speed, the MXFP4
-    decode is issue-bound: a second pass costs it no more than decoding twice, and the portable
-    emulation gains nothing from it)."""
-    return fmt == FMT_MXFP8_MMA and n_tokens > 8 and ptx
+    8 tokens on the PTX path, where routed experts do not take compacted passes (``compacts``: a
+    compacted pass rarely has a second group, and the paired code's registers cost the single passes
+    more than the shared expert's second pass costs); the MXFP4 decode is issue-bound (a second pass
+    costs it no more than decoding twice), and the portable emulation gains nothing from it."""
+    return fmt == FMT_MXFP8_MMA and n_tokens > 8 and ptx and not compacts()
+
+
+def compacts() -> bool:
+    """Whether routed experts take compacted token passes (COMPACT), unless MINIMAX_OPS_NO_COMPACT=1
+    (read at every launch: A/B runs switch it between rounds of one process)."""
+    return os.environ.get("MINIMAX_OPS_NO_COMPACT") != "1"
 
 
 def _prefetch(t) -> int:
@@ -273,7 +311,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
-                  TWO_GROUPS=_two_groups(w13.fmt, n, ptx))
+                  TWO_GROUPS=_two_groups(w13.fmt, n, ptx), COMPACT=compacts())
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -335,7 +373,7 @@ def aot_specs() -> list[KernelSpec]:
                 common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                           "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                           "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx}
+                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx, "COMPACT": True}
                 targets = ("cuda",) if ptx else ()
                 label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                 # as one-token steps and larger steps (16) run them, each distinct kernel once
