@@ -25,12 +25,18 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRI
                                                            (0, ("mxfp8", "mxfp8"), torch.bfloat16, True)])
 def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, layer_idx, fmts, kv_dtype, tiled):
     """Canonical weights, and the tiled layouts of weights.to_kernel_layout (the reference reads the
-    canonical ones)."""
+    canonical ones). A sparse layer's attention makes the indexer's top-k in-kernel (decode_layer's
+    index_sparse_attention stage)."""
     monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
+    monkeypatch.delenv("MINIMAX_OPS_NO_ATTN_SELECT", raising=False)
+    from minimax_ops.kernels import attention as attention_module
     from minimax_ops.kernels import mx_linear as mx_linear_module
-    calls = []
+    calls, select_calls = [], []
     real_kernel = mx_linear_module.mx_linear
     monkeypatch.setattr(mx_linear_module, "mx_linear", lambda *a, **k: calls.append(1) or real_kernel(*a, **k))
+    real_select = attention_module.index_sparse_attention_decode
+    monkeypatch.setattr(attention_module, "index_sparse_attention_decode",
+                        lambda *a, **k: select_calls.append(1) or real_select(*a, **k))
     cfg = preset("tiny")
     g = torch.Generator().manual_seed(11)
     w = random_layer_weights(cfg, layer_idx, linear_format=fmts[0], expert_format=fmts[1], generator=g)
@@ -46,6 +52,7 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     want, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
     out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)
     assert calls, "the fused op did not run the Triton kernels"
+    assert len(select_calls) == (1 if layer_idx else 0), "a sparse layer runs the in-kernel top-k once"
     real = meta.num_tokens - 2  # the padding request's two rows
     rel = ((out[:real].float() - want[:real]).norm() / want[:real].norm()).item()
     assert torch.isfinite(out).all() and rel < 3e-2

@@ -1,6 +1,7 @@
 """Attention-side Triton kernels against the fp32 reference (minimax_ops.reference): add + Gemma
 RMSNorm, per-head norm + partial RoPE + paged-cache insert, the indexer's block top-k, and
-block-sparse / dense GQA decode attention. On CPU they run under the Triton interpreter (tests/conftest.py).
+block-sparse / dense GQA decode attention (the sparse one also with the indexer's top-k made in-kernel,
+against index_topk + sparse attention). On CPU they run under the Triton interpreter (tests/conftest.py).
 
 Tolerances. Kernel results are stored as bf16 (or fp8 cache entries). The interpreter truncates
 fp32 -> bf16 casts and double-rounds fp32 -> fp8 where torch and GPUs round to nearest, so a stored
@@ -403,6 +404,143 @@ def test_attention_rejects_bad_inputs():
                                           query_len)
     with pytest.raises(ValueError, match="q: expected 2 requests x query_len=1"):
         attention.dense_attention_decode(q, kv, meta.block_table, meta.seq_lens, 1)
+
+
+# ---- sparse attention with the indexer's top-k made in-kernel ----------------------------------------------
+
+
+def index_attention_inputs(step: str, dtype, seed: int):
+    meta, query_len, gen = make_step(step, seed=seed)
+    kv, index = poisoned_caches(meta, dtype, gen)
+    return meta, query_len, kv, index, randn(meta.num_tokens, H, D, gen=gen), randn(meta.num_tokens, HI, DI, gen=gen)
+
+
+def check_index_sparse_attention(meta, query_len, kv, index, q, index_q, topk, dtype, what):
+    """index_scores + index_sparse_attention_decode against index_topk + sparse_attention_decode (bit for
+    bit with one split: the same tiles in the same order; close with the default splits) and against the
+    reference indexer + attention."""
+    args = (meta.block_table, meta.seq_lens)
+    scores = index_topk.index_scores(index_q, index, *args, query_len)
+    assert scores.dtype == torch.float32 and scores.shape == (meta.num_tokens, HI, meta.block_table.shape[1])
+    ids = index_topk.index_topk(index_q, index, *args, query_len, topk)
+    check_topk(ids, ref.index_topk(index_q, index, *args, query_len, topk),
+               block_scores(index_q, index, meta, query_len), topk)
+    out = attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, topk, *scales(dtype))
+    assert out.dtype == torch.bfloat16 and out.shape == (meta.num_tokens, H * D)
+    two_step = attention.sparse_attention_decode(q, kv, *args, ids, query_len, *scales(dtype))
+    assert_attention_close(out, two_step.float(), f"{what}: vs index_topk + sparse_attention_decode")
+    one = attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, topk, *scales(dtype), num_splits=1)
+    assert torch.equal(one, attention.sparse_attention_decode(q, kv, *args, ids, query_len, *scales(dtype),
+                                                              num_splits=1)), f"{what}: one split"
+    ids_ref = ref.index_topk(index_q, index, *args, query_len, topk)
+    expected = ref.sparse_attention(q, kv, *args, ids_ref, query_len, *scales(dtype))
+    assert_attention_close(out, expected, f"{what}: vs reference")
+    assert_padding_rows_zero(out, meta, query_len)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["bf16", "fp8"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_index_sparse_attention(step, dtype):
+    """Query lengths 1, 2 and 4, several requests, padding rows, tokens with fewer than TOPK blocks."""
+    meta, query_len, kv, index, q, index_q = index_attention_inputs(step, dtype, seed=10)
+    check_index_sparse_attention(meta, query_len, kv, index, q, index_q, TOPK, dtype, step)
+
+
+@pytest.mark.parametrize("topk", [2, 3, 6])
+def test_index_sparse_attention_topk(topk):
+    """top-k below its power-of-two width (entries past topk must not be walked) and above most rows' nb."""
+    meta, query_len, kv, index, q, index_q = index_attention_inputs("n8_q2", FP8, seed=11)
+    check_index_sparse_attention(meta, query_len, kv, index, q, index_q, topk, FP8, f"topk {topk}")
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["bf16", "fp8"])
+def test_index_sparse_attention_several_chunks(monkeypatch, dtype):
+    """Rows longer than SHORT: the in-kernel selection keeps a running best over CHUNK-wide slices."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # SHORT = CHUNK = BLOCK_K = 4 blocks; rows of 5-14
+    gen = torch.Generator().manual_seed(12)
+    meta = build_step([200, 70], 2, block_size=BS, num_blocks=NUM_BLOCKS, pad_requests=1, generator=gen).to(DEVICE)
+    kv, index = poisoned_caches(meta, dtype, gen)
+    q, index_q = randn(meta.num_tokens, H, D, gen=gen), randn(meta.num_tokens, HI, DI, gen=gen)
+    check_index_sparse_attention(meta, 2, kv, index, q, index_q, TOPK, dtype, "chunks")
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+def test_index_sparse_attention_selection_is_index_topks(monkeypatch, kind):
+    """Fresh block scores (ties, +-0, infinities, NaN) into both paths: the in-kernel selection walks
+    exactly the blocks of index_topk's pass 2, so one split gives the same bits. Rows of 0 to 46 blocks
+    over SHORT (4) and CHUNK (16) widths."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
+    gen = torch.Generator().manual_seed(13)
+    scores, seq_lens, kv_len = selection_rows(kind, gen)
+    n, width = len(kv_len), scores.shape[2]
+    table = torch.randint(0, NUM_BLOCKS, (seq_lens.shape[0], width), generator=gen, dtype=torch.int32)
+    kv = torch.randn(NUM_BLOCKS, KVH, BS, 2 * D, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q = randn(n, H, D, gen=gen)
+    scores, seq_lens, table = scores.to(DEVICE), seq_lens.to(DEVICE), table.to(DEVICE)
+    ids = torch.empty(n, HI, TOPK, dtype=torch.int32, device=DEVICE)
+    index_topk._select_blocks(scores, seq_lens, ids, 2, BS)
+    out = attention.index_sparse_attention_decode(q, scores, kv, table, seq_lens, 2, TOPK, num_splits=1)
+    assert torch.equal(out, attention.sparse_attention_decode(q, kv, table, seq_lens, ids, 2, num_splits=1))
+    assert out.float().abs().amax(-1).gt(0).tolist() == [length > 0 for length in kv_len]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+def test_index_sparse_attention_splits(num_splits):
+    """Forced split counts: one, uneven, and more splits than the selection's tiles (empty partials)."""
+    meta, query_len, kv, index, q, index_q = index_attention_inputs("n4_q1", torch.bfloat16, seed=14)
+    args = (meta.block_table, meta.seq_lens)
+    scores = index_topk.index_scores(index_q, index, *args, query_len)
+    out = attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, TOPK, num_splits=num_splits)
+    expected = ref.sparse_attention(q, kv, *args, ref.index_topk(index_q, index, *args, query_len, TOPK), query_len)
+    assert_attention_close(out, expected, f"{num_splits} splits")
+
+
+@pytest.mark.parametrize("no_select", [False, True], ids=["select", "no_select"])
+def test_kernel_stage_index_sparse_attention(monkeypatch, no_select):
+    """decode_layer's combined stage: the score pass and the selecting attention, or with
+    MINIMAX_OPS_NO_ATTN_SELECT=1 (read at the call) index_topk + sparse_attention_decode; same result."""
+    from minimax_ops.kernels.decode_layer import kernel_stages
+    stages = kernel_stages()  # built before the switch is set: it must be read when the stage runs
+    if no_select:
+        monkeypatch.setenv("MINIMAX_OPS_NO_ATTN_SELECT", "1")
+    else:
+        monkeypatch.delenv("MINIMAX_OPS_NO_ATTN_SELECT", raising=False)
+    calls = []
+    for module, name in ((attention, "index_sparse_attention_decode"), (attention, "sparse_attention_decode"),
+                         (index_topk, "index_topk"), (index_topk, "index_scores")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    meta, query_len, kv, index, q, index_q = index_attention_inputs("n4_q2", FP8, seed=15)
+    args = (meta.block_table, meta.seq_lens, query_len, TOPK, *scales(FP8))
+    out = stages.index_sparse_attention(q, index_q, kv, index, *args)
+    assert calls == (["index_topk", "sparse_attention_decode"] if no_select
+                     else ["index_scores", "index_sparse_attention_decode"])
+    expected = ref.sparse_attention(q, kv, meta.block_table, meta.seq_lens,
+                                    ref.index_topk(index_q, index, meta.block_table, meta.seq_lens, query_len, TOPK),
+                                    query_len, *scales(FP8))
+    assert_attention_close(out, expected, "combined stage")
+
+
+def test_index_sparse_attention_rejects_bad_inputs():
+    meta, query_len, kv, index, q, index_q = index_attention_inputs("n4_q2", torch.bfloat16, seed=16)
+    args = (meta.block_table, meta.seq_lens)
+    scores = index_topk.index_scores(index_q, index, *args, query_len)
+    n, width = meta.num_tokens, meta.block_table.shape[1]
+    shape = rf"\[{n}, {KVH}, {width}\]"
+    for bad in (scores.to(torch.bfloat16), scores[:, :1], scores[:, :, :-1], scores[:-1],
+                scores.transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match=rf"scores: expected an fp32 {shape}"):
+            attention.index_sparse_attention_decode(q, bad, kv, *args, query_len, TOPK)
+    with pytest.raises(ValueError, match="topk: expected >= 1, got 0"):
+        attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, 0)
+    with pytest.raises(ValueError, match="q: expected 2 requests x query_len=1"):
+        attention.index_sparse_attention_decode(q, scores, kv, *args, 1, TOPK)
+    with pytest.raises(ValueError, match="kv_cache: expected a bf16/fp8"):
+        attention.index_sparse_attention_decode(q, scores, kv.float(), *args, query_len, TOPK)
+    with pytest.raises(ValueError, match="index_q: expected a bf16"):
+        index_topk.index_scores(index_q.float(), index, *args, query_len)
+    with pytest.raises(ValueError, match="seq_lens: expected int32"):
+        index_topk.index_scores(index_q, index, meta.block_table, meta.seq_lens.long(), query_len)
 
 
 # ---- AOT specs -------------------------------------------------------------------------------------------

@@ -11,6 +11,14 @@ its kv head's selected logical blocks (entries -1 or past its last block are ski
 token's tiles are all of its blocks 0..nb-1, divided among the splits in-kernel from its real
 length, so the host never reads seq_lens. Causality (positions < kv_len) is a mask, which also
 covers speculative tokens of the same request.
+
+The sparse kernel takes its selection one of two ways. ``sparse_attention_decode`` reads block ids
+(the indexer's top-k, kernels/index_topk.py). ``index_sparse_attention_decode`` (constexpr SELECT,
+the fused layer's path) reads the indexer's block scores instead and makes the top-k itself: every
+split program of a (token, kv head) runs index_topk's ``select_blocks_row`` on index head kv_head's
+score row, gets the same deterministic selection (keys are unique), and walks its own share of the
+selected blocks' tiles. The repeated selection costs about what the kernel boundary and the ids'
+round trip through memory cost (BENCHMARKS.md): one launch fewer, no time gained.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
+from .index_topk import select_blocks_row, topk_widths
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 LOG2E = 1.4426950408889634
@@ -32,12 +41,15 @@ _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several
 
 @triton.jit
 def _attention_split_kernel(
-        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, block_ids_ptr, part_acc_ptr, part_ml_ptr,
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr,
         stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, DOT_FP32: tl.constexpr,
+        PDL: tl.constexpr):
+    # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
+    # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
@@ -51,6 +63,9 @@ def _attention_split_kernel(
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)
     if DENSE:
         total = nb * TILES_PER_BLOCK
+    elif SELECT:
+        # The selection's valid entries are its first min(nb, topk): the splits share just their tiles.
+        total = tl.minimum(nb, num_sparse_tiles // TILES_PER_BLOCK) * TILES_PER_BLOCK
     else:
         total = tl.where(kv_len > 0, num_sparse_tiles, 0)  # padding rows: no tiles
     per_split = tl.cdiv(total, num_splits)
@@ -70,10 +85,16 @@ def _attention_split_kernel(
         # they are read before the wait (everything this kernel stores still comes after it).
         gdc_wait()
         gdc_launch_dependents()
-    if not DENSE:
+    if SELECT:
+        # index_topk's selection from the scores (read after the wait: the indexer wrote them); unique
+        # ids, -1 past min(nb, topk), so there are no repeats to skip.
+        kk = tl.arange(0, BLOCK_TOPK)
+        selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
+                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK)
+    elif not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
-        selection = tl.load(block_ids_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + kk,
+        selection = tl.load(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + kk,
                             mask=kk < num_sparse_tiles // TILES_PER_BLOCK, other=-1)
     offs = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -83,10 +104,12 @@ def _attention_split_kernel(
         slot = t // TILES_PER_BLOCK
         if DENSE:
             blk = slot
+        elif SELECT:
+            blk = tl.max(tl.where(kk == slot, selection, -1), axis=0)  # entry `slot` of the registers
         else:
-            blk = tl.load(block_ids_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + slot)
+            blk = tl.load(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + slot)
         ok = (blk >= 0) & (blk < nb)
-        if not DENSE:
+        if not DENSE and not SELECT:
             ok = ok & (tl.sum(((selection == blk) & (kk < slot)).to(tl.int32), axis=0) == 0)
         page = tl.load(block_table_ptr + req * stride_bt + blk, mask=ok, other=0).to(tl.int64)
         in_block = (t % TILES_PER_BLOCK) * BLOCK_N + offs
@@ -202,16 +225,21 @@ def _check_common(q, kv_cache, block_table, seq_lens, query_len):
           f"q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
 
 
-def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl):
+def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl, block_ids=None,
+            scores=None, topk=0):
+    """Split + merge launches. The selection: block_ids (sparse), scores + topk (SELECT), neither (dense)."""
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = heads // kv_heads
     tile = _tile(block_size)
-    dense = block_ids is None
+    select = scores is not None
+    dense = block_ids is None and not select
     out = q.new_empty(n, heads * dim)
     if n == 0:
         return out
-    sparse_tiles = 0 if dense else block_ids.shape[2] * (block_size // tile)
+    if block_ids is not None:
+        topk = block_ids.shape[2]
+    sparse_tiles = 0 if dense else topk * (block_size // tile)
     max_tiles = block_table.shape[1] * (block_size // tile) if dense else sparse_tiles
     if num_splits is None:
         num_splits = triton.cdiv(_target_programs(q.device), n * kv_heads)
@@ -220,15 +248,17 @@ def _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v
         num_splits = triton.cdiv(sparse_tiles, triton.cdiv(sparse_tiles, num_splits))
     part_acc = torch.empty(n, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
-    ids = block_table if dense else block_ids  # dense: a typed stand-in, never read
+    sel = scores if select else block_table if dense else block_ids  # dense: a typed stand-in, never read
+    block_topk = 1 if dense else triton.next_power_of_2(topk)
+    short, chunk = topk_widths(scores.shape[2], block_topk) if select else (1, 1)
     pdl = pdl and pdl_supported(q.device)
     _attention_split_kernel[(n, kv_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, ids, part_acc, part_ml,
+        q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_table.stride(0), ids.stride(0), ids.stride(1) if not dense else 0,
+        block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=tile, BLOCK_TOPK=1 if dense else triton.next_power_of_2(block_ids.shape[2]), DENSE=dense,
+        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
         DOT_FP32=q.device.type != "cuda", PDL=pdl, num_warps=4, num_stages=2,
         launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
@@ -250,7 +280,28 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table
           and block_ids.stride(2) == 1 and block_ids.shape[2] >= 1,
           f"block_ids: expected an int32 [{n}, {kv_heads}, topk] tensor with a contiguous last dimension, "
           f"got {block_ids.dtype} shape {tuple(block_ids.shape)}")
-    return _launch(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale, num_splits, pdl)
+    return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl,
+                   block_ids=block_ids)
+
+
+def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cache: torch.Tensor,
+                                  block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, topk: int,
+                                  k_scale: float = 1.0, v_scale: float = 1.0, *,
+                                  num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """sparse_attention_decode over index_topk's selection made in-kernel: scores fp32 [n, KVH, W] are
+    the indexer's block scores (kernels/index_topk.py ``index_scores``, index head h serving kv head h,
+    W = block_table's width); each token's kv head attends over the blocks index_topk would choose
+    (the local block and the best others, topk at most). Equal to index_topk + sparse_attention_decode
+    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait."""
+    _check_common(q, kv_cache, block_table, seq_lens, query_len)
+    n, kv_heads, width = q.shape[0], kv_cache.shape[1], block_table.shape[1]
+    _need(scores.dim() == 3 and scores.shape == (n, kv_heads, width) and scores.dtype == torch.float32
+          and scores.stride(2) == 1,
+          f"scores: expected an fp32 [{n}, {kv_heads}, {width}] tensor (index_scores' block scores) with a "
+          f"contiguous last dimension, got {scores.dtype} shape {tuple(scores.shape)}")
+    _need(topk >= 1, f"topk: expected >= 1, got {topk}")
+    return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl,
+                   scores=scores, topk=topk)
 
 
 def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -259,29 +310,33 @@ def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     """Full causal GQA decode over all of each token's blocks (dense layers); as sparse_attention_decode
     otherwise. Long contexts are split over up to ~4 programs per SM."""
     _check_common(q, kv_cache, block_table, seq_lens, query_len)
-    return _launch(q, kv_cache, block_table, seq_lens, None, query_len, k_scale, v_scale, num_splits, pdl)
+    return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
     specs = []
-    # (H, KVH, D, block size, top-k): tiny preset and the real model (TP 1).
-    for heads, kv_heads, dim, bs, topk in ((8, 2, 32, 16, 4), (64, 4, 128, 128, 16)):
+    # (H, KVH, D, block size, top-k, table width): tiny preset and the real model (TP 1, 1M-token table).
+    for heads, kv_heads, dim, bs, topk, width in ((8, 2, 32, 16, 4, 16), (64, 4, 128, 128, 16, 8192)):
         group = heads // kv_heads
+        short, chunk = topk_widths(width, topk)
         for query_len in (1, 2, 4):
             for kv_t in ("*bf16", "*fp8e4nv"):
-                for dense in (False, True):
+                for kind in ("sparse", "select", "dense"):
+                    dense, select = kind == "dense", kind == "select"
                     specs.append(KernelSpec(
                         _attention_split_kernel,
                         {"q_ptr": "*bf16", "kv_ptr": kv_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                         "block_ids_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                         "select_ptr": "*fp32" if select else "*i32", "part_acc_ptr": "*fp32",
+                         "part_ml_ptr": "*fp32",
                          "stride_qn": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
                          "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
                          "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": _tile(bs), "BLOCK_TOPK": 1 if dense else topk,
-                         "DENSE": dense, "DOT_FP32": False},
+                         "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
+                         "CHUNK": chunk if select else 1, "DOT_FP32": False},
                         num_warps=4, num_stages=2,
-                        name=f"attention_{'dense' if dense else 'sparse'}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}"))
+                        name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}"))
         specs.append(KernelSpec(
             _attention_merge_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",

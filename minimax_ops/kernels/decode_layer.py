@@ -11,12 +11,15 @@ Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
 ``kernel_stages()`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
 chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
-offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), which the
-chain takes when offered. Inputs were checked by the fused op before the first launch.
+offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), and in
+place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
+pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
+memory); the chain takes each when offered. Inputs were checked by the fused op before the first launch.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -77,12 +80,28 @@ def kernel_stages() -> SimpleNamespace:
         return attention.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale,
                                                  v_scale, pdl=True)
 
+    def index_sparse_attention(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_len, topk, k_scale,
+                               v_scale):
+        """index_topk_ then sparse_attention_decode as three kernels: the indexer's score pass, the
+        attention splits (each making the top-k selection from the scores itself) and their merge.
+        MINIMAX_OPS_NO_ATTN_SELECT=1 (read at every call, so a CUDA graph keeps the form it was
+        captured with) runs the two stages instead (score + top-k kernels, then attention on the
+        block ids), for A/B measurements."""
+        if os.environ.get("MINIMAX_OPS_NO_ATTN_SELECT") == "1":
+            block_ids = index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk)
+            return sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
+        # The score pass is a programmatic dependent in one-token steps only, as in index_topk_.
+        scores = index_topk.index_scores(index_q, index_cache, block_table, seq_lens, query_len,
+                                         pdl=index_q.shape[0] == 1)
+        return attention.index_sparse_attention_decode(q, scores, kv_cache, block_table, seq_lens, query_len, topk,
+                                                       k_scale, v_scale, pdl=True)
+
     def dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
         return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
                                                 pdl=True)
 
     return SimpleNamespace(
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
-        index_topk=index_topk_,
+        index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, mlp=_mlp)

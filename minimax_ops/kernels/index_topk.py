@@ -9,11 +9,16 @@ Two passes:
    programmatic dependent a program reads its first block's keys before it waits, where that block
    holds no key of this step.
    Scores go to an fp32 scratch [n, Hi, W].
-2. ``_index_topk_kernel``, one program per (token, head): packs (score, block) into one sortable
-   int64 and keeps the best k with tl.topk. The local block (nb - 1) gets the largest key, so it is
-   always chosen first. tl.topk's cost follows its width, not nb: a row of up to SHORT (TOPK_CHUNK)
-   blocks takes one SHORT-wide tl.topk, a longer row keeps a running best over CHUNK-wide slices
-   (4 x TOPK_CHUNK).
+2. ``_index_topk_kernel``, one program per (token, head): ``select_blocks_row`` packs (score, block)
+   into one sortable int64 (``topk_keys``) and keeps the best k with tl.topk. The local block (nb - 1)
+   gets the largest key, so it is always chosen first. tl.topk's cost follows its width, not nb: a row
+   of up to SHORT (TOPK_CHUNK) blocks takes one SHORT-wide tl.topk, a longer row keeps a running best
+   over CHUNK-wide slices (4 x TOPK_CHUNK).
+
+``index_topk`` runs both passes (the vocabulary op). ``index_scores`` runs pass 1 alone: the fused
+decode layer's sparse attention (kernels/attention.py, ``index_sparse_attention_decode``) makes the
+selection of pass 2 itself, with the same ``select_blocks_row`` (one source of truth for the choice),
+so pass 2's kernel and its block ids' round trip through memory drop out.
 """
 
 from __future__ import annotations
@@ -97,16 +102,35 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
 
 
 @triton.jit
-def _topk_keys(row, blk, nb):
-    """Blocks blk as unique int64 keys: (order-preserving int32 of the score) << 32 | block, one int64
-    max-selects both. The local block (nb - 1) is the largest; entries past nb get the smallest high
-    word, so they sort below every real block."""
+def topk_keys(row, blk, nb):
+    """Blocks blk of a score row (fp32 pointer, one score per block) as unique int64 keys:
+    (order-preserving int32 of the score) << 32 | block, so that one int64 max selects both. The local
+    block (nb - 1) is the largest; entries past nb are not read and get the smallest high word, so
+    they sort below every real block."""
     valid = blk < nb
     bits = tl.load(row + blk, mask=valid, other=0.0).to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     ordered = tl.where(blk == nb - 1, 2147483647, ordered)  # the local block always wins
     ordered = tl.where(valid, ordered, -2147483648)
     return (ordered.to(tl.int64) << 32) | blk.to(tl.int64)
+
+
+@triton.jit
+def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr):
+    """The top-k selection of one (token, index head) score row of nb blocks: int32 [BLOCK_K] logical
+    block ids, best first (the local block nb - 1 first), -1 from min(nb, topk) on. Keys are unique,
+    so the selection is deterministic: every program that selects from the same row gets the same ids.
+    SHORT, CHUNK: tl.topk widths from ``topk_widths`` (SHORT >= BLOCK_K)."""
+    # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
+    if nb <= SHORT:
+        best = tl.topk(topk_keys(row, tl.arange(0, SHORT), nb), BLOCK_K)
+    else:
+        best = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32  # below every key
+        for start in range(0, nb, CHUNK):
+            cand = tl.topk(topk_keys(row, start + tl.arange(0, CHUNK), nb), BLOCK_K)
+            best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
+    k = tl.arange(0, BLOCK_K)
+    return tl.where((k < nb) & (k < topk), (best & 0xFFFFFFFF).to(tl.int32), -1)
 
 
 @triton.jit
@@ -124,16 +148,8 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
     row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
-    # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
-    if nb <= SHORT:
-        best = tl.topk(_topk_keys(row, tl.arange(0, SHORT), nb), BLOCK_K)
-    else:
-        best = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32  # below every key
-        for start in range(0, nb, CHUNK):
-            cand = tl.topk(_topk_keys(row, start + tl.arange(0, CHUNK), nb), BLOCK_K)
-            best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
+    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK)
     k = tl.arange(0, BLOCK_K)
-    ids = tl.where(k < nb, (best & 0xFFFFFFFF).to(tl.int32), -1)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
 
 
@@ -156,8 +172,9 @@ def _block_m(query_len: int, index_heads: int) -> int:
     return max(16, triton.next_power_of_2(query_len * index_heads))
 
 
-def _topk_widths(width: int, block_k: int) -> tuple[int, int]:
-    """tl.topk widths: (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
+def topk_widths(width: int, block_k: int) -> tuple[int, int]:
+    """``select_blocks_row``'s tl.topk widths for score rows of ``width`` blocks and BLOCK_K = block_k:
+    (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
     short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
     return short, max(short, min(4 * TOPK_CHUNK, triton.next_power_of_2(width)))
 
@@ -167,11 +184,7 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_len: int, topk: int, *, pdl: bool = False) -> torch.Tensor:
-    """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
-    seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
-    first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
+def _check_inputs(index_q, index_cache, block_table, seq_lens, query_len) -> None:
     _need(index_q.dim() == 3 and index_q.dtype == torch.bfloat16 and index_q.stride(2) == 1,
           f"index_q: expected a bf16 [n, heads, dim] tensor with a contiguous last dimension, got "
           f"{index_q.dtype} shape {tuple(index_q.shape)}")
@@ -187,28 +200,55 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
     _need(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1,
           f"block_table: expected an int32 [B, W] tensor with contiguous rows, got {block_table.dtype} "
           f"shape {tuple(block_table.shape)}")
-    num_reqs, width = block_table.shape
+    num_reqs = block_table.shape[0]
     _need(seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32,
           f"seq_lens: expected int32 [{num_reqs}], got {seq_lens.dtype} shape {tuple(seq_lens.shape)}")
     _need(query_len >= 1 and n == num_reqs * query_len,
           f"index_q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
-    _need(topk >= 1, f"topk: expected >= 1, got {topk}")
-    out = torch.empty(n, heads, topk, dtype=torch.int32, device=index_q.device)
-    if n == 0:
-        return out
-    interpreted = index_q.device.type != "cuda"
-    pdl = pdl and pdl_supported(index_q.device)
+
+
+def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl) -> torch.Tensor:
+    """Pass 1 on checked inputs -> fp32 [n, Hi, W] block scores (entries at or past a token's nb unwritten)."""
+    n, heads, dim = index_q.shape
+    num_reqs, width = block_table.shape
     scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
+    if n == 0:
+        return scores
     num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
     _index_score_kernel[(num_reqs, num_splits)](
         index_q, index_cache, block_table, seq_lens, scores,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
-        QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_M=_block_m(query_len, heads), DOT_FP32=interpreted, PDL=pdl, num_warps=4,
+        QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=index_cache.shape[1],
+        BLOCK_M=_block_m(query_len, heads), DOT_FP32=index_q.device.type != "cuda", PDL=pdl, num_warps=4,
         num_stages=3,
         launch_pdl=pdl)
-    _select_blocks(scores, seq_lens, out, query_len, block_size, pdl)
+    return scores
+
+
+def index_scores(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_len: int, *, pdl: bool = False) -> torch.Tensor:
+    """Pass 1 alone (inputs as index_topk's) -> fp32 [n, Hi, W] block scores, W = block_table's
+    width: entry b of a token's row is block b's score for b < the token's block count nb; entries
+    from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does)."""
+    _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
+    return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl and pdl_supported(index_q.device))
+
+
+def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_len: int, topk: int, *, pdl: bool = False) -> torch.Tensor:
+    """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
+    seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
+    first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
+    _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
+    _need(topk >= 1, f"topk: expected >= 1, got {topk}")
+    n, heads, _ = index_q.shape
+    out = torch.empty(n, heads, topk, dtype=torch.int32, device=index_q.device)
+    if n == 0:
+        return out
+    pdl = pdl and pdl_supported(index_q.device)
+    scores = _score(index_q, index_cache, block_table, seq_lens, query_len, pdl)
+    _select_blocks(scores, seq_lens, out, query_len, index_cache.shape[1], pdl)
     return out
 
 
@@ -218,7 +258,7 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     n, heads, width = scores.shape
     topk = out.shape[2]
     block_k = triton.next_power_of_2(topk)
-    short, chunk = _topk_widths(width, block_k)
+    short, chunk = topk_widths(width, block_k)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
@@ -241,7 +281,7 @@ def aot_specs() -> list[KernelSpec]:
                      "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False},
                     num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
-            short, chunk = _topk_widths(width, block_k)
+            short, chunk = topk_widths(width, block_k)
             specs.append(KernelSpec(
                 _index_topk_kernel,
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",

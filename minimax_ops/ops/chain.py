@@ -82,13 +82,19 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
                      index_cache, w, c: SparseConsts, query_lens: list[int] | None = None, ops=None):
     """Steps 1-7 of a sparse MoE layer -> (o unreduced, residual). ``query_lens`` (the model's
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
-    ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(), same signatures."""
+    ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(), same signatures; a kernel
+    namespace may offer the indexer top-k and the sparse attention as one step, ``index_sparse_attention``
+    (the top-k made inside the attention kernel); the vocabulary has two ops."""
     mm = ops or MM
     q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
                                            index_cache, w, c, mm)
+    one_step = getattr(mm, "index_sparse_attention", None) if mm is not MM else None
     if query_lens is not None:
         attn = mm.attention_any_step(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_lens,
                                      c.topk_blocks, c.k_scale, c.v_scale)
+    elif one_step is not None:
+        attn = one_step(q, index_q, kv_cache, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks,
+                        c.k_scale, c.v_scale)
     else:
         block_ids = mm.index_topk(index_q, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks)
         attn = mm.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, c.query_len, c.k_scale,
