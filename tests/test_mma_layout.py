@@ -17,6 +17,7 @@ from minimax_ops.config import SPARSE_MOE
 from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, logical_in_features,
                                  logical_out_features, pack_mxfp4_words, quantize, to_canonical, to_mma_layout,
                                  unpack_e2m1, unpack_mxfp8_words, weight_layout)
+from minimax_ops.kernels.expert_slots import build_slot_table
 from minimax_ops.kernels.moe import moe_experts
 from minimax_ops.kernels.tiles import mma_expert_tiles
 from minimax_ops.weights import to_kernel_layout
@@ -313,7 +314,8 @@ def test_routed_experts_take_compacted_token_passes(fmt, shared, device, monkeyp
     COMPACT). An expert chosen by 12 of 16 tokens (two passes, the second part-filled), one chosen
     by tokens of both 8-token groups (one pass), one by a single token of the second group; an
     invalid id and a zero padding row. Matches the reference and, bit for bit, the fixed 8-token
-    groups (each token's products are the same whichever mma column carries it)."""
+    groups (each token's products are the same whichever mma column carries it) and the passes
+    found from the ids in w2 instead of read from the slot table w13 writes."""
     torch.manual_seed(60)
     n, hidden, inter = 16, 128, 64
     h = torch.randn(n, hidden, device=device).bfloat16()
@@ -329,5 +331,27 @@ def test_routed_experts_take_compacted_token_passes(fmt, shared, device, monkeyp
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
     assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2
     assert (out[n - 1] == 0).all()
+    monkeypatch.setenv("MINIMAX_OPS_NO_SLOT_TABLE", "1")
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+    monkeypatch.delenv("MINIMAX_OPS_NO_SLOT_TABLE")
     monkeypatch.setenv("MINIMAX_OPS_NO_COMPACT", "1")
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+
+
+@pytest.mark.parametrize("n, experts, top_k", [(16, 128, 4), (40, 8, 2)])
+def test_slot_table_lists_each_experts_tokens_in_order(n, experts, top_k, device):
+    """build_slot_table against the table made by hand: slot s holds the s-th smallest routed id
+    chosen, how many tokens chose it, those tokens in token order with their top-k columns, -1 after;
+    empty slots -1. Invalid ids (-1, >= the routed count) are in no slot; 40 x 2 ids take two chunks."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(n)]).int()
+    ids[3, 0], ids[n - 1, top_k - 1] = -1, experts  # an invalid id of each kind
+    routed_slots = min(experts, n * top_k)
+    table = build_slot_table(ids.to(device), routed_slots, experts, pdl=False).cpu()
+    want = torch.full((routed_slots, 2 + 2 * n), -1, dtype=torch.int32)
+    for slot, e in enumerate(sorted({int(i) for i in ids.flatten() if 0 <= i < experts})):
+        pairs = [(t, k) for t in range(n) for k in range(top_k) if ids[t, k] == e]
+        want[slot, :2] = torch.tensor([e, len(pairs)])
+        want[slot, 2:2 + len(pairs)] = torch.tensor([t for t, _ in pairs])
+        want[slot, 2 + n:2 + n + len(pairs)] = torch.tensor([k for _, k in pairs])
+    assert torch.equal(table, want)

@@ -1,12 +1,17 @@
 """Which expert a program of an expert kernel streams, and for which tokens: the slot -> expert
 map computed in-kernel from the step's top-k ids (no host sync), the slot's weight pointers
 (shared expert in the table or separate), the top-k column of each token, and SwiGLU-OAI. Shared by
-the row-layout kernels (moe.py) and the mma-layout ones (moe_mma.py)."""
+the row-layout kernels (moe.py) and the mma-layout ones (moe_mma.py). Steps of many tokens can have
+it all written once, as the step's slot table (``build_slot_table``), for the mma-layout kernels."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .aot import KernelSpec
 
 PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
 TOKEN_CHUNK = tl.constexpr(16)  # tokens whose top-k ids are compared per step when compacting an expert's tokens
@@ -44,21 +49,26 @@ def token_columns(ids_ptr, n_tokens, m0, expert, NUM_ROUTED: tl.constexpr, TOPK:
 
 
 @triton.jit
-def slot_weights(ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared,
+def program_expert(ids_ptr, n_pairs, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                   SHARED_ONLY: tl.constexpr):
+    """The expert of this program's slot (program_id 0): slot_expert, or the slot itself in
+    SHARED_ONLY launches (one slot whose 'table' is the shared expert)."""
+    if SHARED_ONLY:
+        expert = tl.program_id(0)
+    else:
+        expert = slot_expert(ids_ptr, n_pairs, tl.program_id(0), NUM_ROUTED, E_POW2, SHARED_SLOT)
+    return expert
+
+
+@triton.jit
+def slot_weights(expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared,
                   stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
                   stride_wt, stride_st, stride_swt, stride_sst,
-                  NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                  SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr):
-    """(expert, weight base, scale base, weight row stride, scale row stride, weight tile-row
-    stride, scale tile-row stride, intermediate size) of this program's slot; expert -1 for an
-    empty slot. A separate shared expert (SHARED_SEPARATE) reads its own tensors; SHARED_ONLY
-    launches have one slot whose 'table' is that expert. Row strides are inside a tile for tiled
-    layouts (whose tile-row strides the row layouts do not use)."""
-    slot = tl.program_id(0)
-    if SHARED_ONLY:
-        expert = slot
-    else:
-        expert = slot_expert(ids_ptr, n_pairs, slot, NUM_ROUTED, E_POW2, SHARED_SLOT)
+                  NUM_ROUTED: tl.constexpr, SHARED_SEPARATE: tl.constexpr):
+    """(weight base, scale base, weight row stride, scale row stride, weight tile-row stride, scale
+    tile-row stride, intermediate size) of ``expert`` (-1: an empty slot, any readable base). A
+    separate shared expert (SHARED_SEPARATE) reads its own tensors. Row strides are inside a tile
+    for tiled layouts (whose tile-row strides the row layouts do not use)."""
     w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
     s_base = s_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se
     row_w = stride_wn
@@ -75,7 +85,7 @@ def slot_weights(ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_sh
         tile_w = tl.where(shared, stride_swt, tile_w)
         tile_s = tl.where(shared, stride_sst, tile_s)
         inter_e = tl.where(shared, inter_shared, inter_e)
-    return expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e
+    return w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e
 
 
 @triton.jit
@@ -138,6 +148,95 @@ def chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK: tl.constexpr,
     return tok
 
 
-def aot_specs() -> list:
-    """None of its own: these are helpers, compiled (and covered) through the kernels that call them."""
-    return []
+# A step's slot table (expert launches of routed slots in steps of more than one token group, with
+# compacted passes): one int32 row per routed slot, [expert (-1: empty), ranks (the tokens that
+# chose it), token of rank 0 .. n-1, top-k column of rank 0 .. n-1] (-1 past the last rank), written
+# by ``_slot_table_kernel`` once per step, so that each of the step's thousands of expert programs
+# reads its expert and its passes' tokens instead of finding them from the step's ids. The shared
+# expert's slot has no row: every token chose it (``slot_row_tokens``).
+TABLE_HEAD = tl.constexpr(2)
+PAIR_CHUNK = tl.constexpr(64)  # (token, top-k column) pairs placed per step by _slot_table_kernel
+
+
+@triton.jit
+def _pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr):
+    """Pairs p0 .. p0 + PAIR_CHUNK - 1: (pair index, id, [E_POW2, PAIR_CHUNK] int32 1 where pair p
+    chose expert e)."""
+    p = p0 + tl.arange(0, PAIR_CHUNK)
+    e = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1)
+    e = tl.where((e >= 0) & (e < NUM_ROUTED), e, -1)
+    hit = (e[None, :] == tl.arange(0, E_POW2)[:, None]).to(tl.int32)
+    return p, e, hit
+
+
+@triton.jit
+def _slot_table_kernel(ids_ptr, table_ptr, n_tokens, n_pairs, table_words, stride_table,
+                       NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, PDL: tl.constexpr):
+    """One program: the slot table of the step's ids (slot s: the s-th smallest routed expert
+    chosen; its ranks: the tokens that chose it, in token order, with their top-k columns)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    for w0 in range(0, table_words, 1024):
+        offs = w0 + tl.arange(0, 1024)
+        tl.store(table_ptr + offs, tl.full([1024], -1, tl.int32), mask=offs < table_words)
+    count = tl.zeros([E_POW2], dtype=tl.int32)
+    for p0 in range(0, n_pairs, PAIR_CHUNK):
+        count += tl.sum(_pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED, E_POW2)[2], axis=1)
+    experts = tl.arange(0, E_POW2)
+    slot = tl.cumsum((count > 0).to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # (the -1 fill lands before the rows' stores)
+    rows = table_ptr + slot.to(tl.int64) * stride_table
+    tl.store(rows, experts, mask=count > 0)
+    tl.store(rows + 1, count, mask=count > 0)
+    seen = tl.zeros([E_POW2], dtype=tl.int32)  # pairs of earlier chunks that chose each expert
+    q = tl.arange(0, PAIR_CHUNK)
+    for p0 in range(0, n_pairs, PAIR_CHUNK):
+        p, e, hit = _pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED, E_POW2)
+        before = tl.sum(hit * seen[:, None], axis=0)
+        within = tl.sum(((e[:, None] == e[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+        pair_slot = tl.sum(hit * slot[:, None], axis=0)
+        rank = before + within
+        row = table_ptr + pair_slot.to(tl.int64) * stride_table + TABLE_HEAD
+        tl.store(row + rank, p // TOPK, mask=e >= 0)
+        tl.store(row + n_tokens + rank, p % TOPK, mask=e >= 0)
+        seen += tl.sum(hit, axis=1)
+
+
+def slot_table_width(n_tokens: int) -> int:
+    """Words of one slot's row of the slot table."""
+    return TABLE_HEAD.value + 2 * n_tokens
+
+
+def build_slot_table(ids: torch.Tensor, routed_slots: int, num_routed: int, pdl: bool) -> torch.Tensor:
+    """The slot table [routed_slots, slot_table_width(n)] of int32 top-k ids [n, k] (one launch,
+    a programmatic dependent with ``pdl``)."""
+    n, top_k = ids.shape
+    table = torch.empty(routed_slots, slot_table_width(n), dtype=torch.int32, device=ids.device)
+    _slot_table_kernel[(1,)](ids, table, n, n * top_k, table.numel(), table.stride(0), NUM_ROUTED=num_routed,
+                             E_POW2=triton.next_power_of_2(num_routed), TOPK=top_k, PDL=pdl, num_warps=4,
+                             launch_pdl=pdl)
+    return table
+
+
+@triton.jit
+def slot_row_tokens(row_ptr, n_tokens, rank, shared, TOPK: tl.constexpr):
+    """(token, top-k column) of each rank (an int32 tensor) of a slot: from its slot table row, or
+    for the shared expert's slot (``shared``, no row) token = rank, column TOPK; -1 for none."""
+    ok = (rank >= 0) & (rank < n_tokens)
+    tok = tl.load(row_ptr + TABLE_HEAD + rank, mask=ok & (shared == 0), other=-1)
+    col = tl.load(row_ptr + TABLE_HEAD + n_tokens + rank, mask=ok & (shared == 0), other=-1)
+    tok = tl.where(ok & shared, rank, tok)
+    col = tl.where(ok & shared, TOPK, col)
+    return tok, col
+
+
+def aot_specs() -> list[KernelSpec]:
+    """The slot table kernel at the tiny and the real expert count (the other helpers compile
+    through the kernels that call them); PDL for CUDA only."""
+    sig = {"ids_ptr": "*i32", "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "table_words": "i32",
+           "stride_table": "i32"}
+    return [KernelSpec(_slot_table_kernel, sig,
+                       {"NUM_ROUTED": e, "E_POW2": triton.next_power_of_2(e), "TOPK": k, "PDL": pdl}, num_warps=4,
+                       targets=("cuda",) if pdl else (), name=f"slot_table_e{e}k{k}{'_pdl' if pdl else ''}")
+            for e, k in ((8, 2), (128, 4)) for pdl in (False, True)]

@@ -35,7 +35,7 @@ from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8, MMA_CODES
 from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight,
                         gdc_launch_dependents, gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
-from .expert_slots import slot_weights, swiglu_oai, token_columns
+from .expert_slots import program_expert, slot_weights, swiglu_oai, token_columns
 from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
@@ -71,10 +71,10 @@ def _moe_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
-        ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se,
-        stride_sn, stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, E_POW2,
-        SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
+    expert = program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_ONLY)
+    w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
+        expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se, stride_sn,
+        stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, SHARED_SEPARATE)
     i0 = tl.program_id(1) * BLOCK_I
     if (expert >= 0) & (i0 < inter_e):
         # Gate row i and up row I + i side by side: one [BLOCK_M, 2*BLOCK_I] product, split at the end.
@@ -138,10 +138,10 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
     (fp32) for the tokens that chose the slot's expert; every split stores (zeros past its I).
     PDL: the ids are two kernels old (complete), so the program finds its expert, asks L2 for the
     start of its tiled weight slice, and only then waits for w13's activations."""
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
-        ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se,
-        stride_sn, stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, E_POW2,
-        SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
+    expert = program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_ONLY)
+    w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
+        expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wn, stride_se, stride_sn,
+        stride_swn, stride_ssn, stride_wt, stride_st, stride_swt, stride_sst, NUM_ROUTED, SHARED_SEPARATE)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if TILED:
         w_rows = w_base + tl.program_id(1).to(tl.int64) * tile_w + tl.arange(0, BLOCK_N) * row_w

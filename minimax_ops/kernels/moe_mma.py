@@ -19,7 +19,10 @@ only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
 streams it once unless more than 8 tokens chose it; the shared expert takes every token. With fixed
 groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
-and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``).
+and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``). Compacted steps build the
+step's slot table first (one program, expert_slots.build_slot_table: each slot's expert and its
+passes' tokens), which w13 and w2 read (``TABLE``, ``slot_tables``) instead of each of their
+thousands of programs scanning the step's ids.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
-from .expert_slots import chooser_count, chooser_tokens, columns_of, slot_weights, swiglu_oai
+from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, program_expert, slot_row_tokens,
+                           slot_weights, swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
@@ -42,19 +46,32 @@ from .tiles import mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
-def _token_groups(ids_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
-                  K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TWO_GROUPS: tl.constexpr):
+def _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+                 K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TABLE: tl.constexpr):
+    """(token, top-k column) of each rank of the slot's passes: from the step's slot table (TABLE;
+    row_ptr: the slot's row), or found from the step's ids (expert_slots.chooser_tokens, columns_of)."""
+    if TABLE:
+        tok, col = slot_row_tokens(row_ptr, n_tokens, rank, expert == NUM_ROUTED, TOPK)
+    else:
+        tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
+        col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    return tok, col
+
+
+@triton.jit
+def _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+                  K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TWO_GROUPS: tl.constexpr, TABLE: tl.constexpr):
     """Which token groups of the pass at rank m0 (one, or two with TWO_GROUPS: ranks m0 and m0 + 8;
     ranks name tokens through expert_slots.chooser_tokens) chose ``expert``, g the lanes' rank in a
     group: (go: any did, both: two did, first: the rank offset of the first that did, tok_first /
     col_first: the lanes' tokens (-1: none) and top-k columns (-1 where a token did not choose it) in
     that group, tok_b / col_b: the same in the second)."""
-    tok_a = chooser_tokens(ids_ptr, n_tokens, expert, m0 + g, compact, TOPK, K_POW2)
-    col_a = columns_of(ids_ptr, tok_a, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    tok_a, col_a = _pass_tokens(ids_ptr, row_ptr, m0 + g, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
+                                SHARED_ONLY, TABLE)
     any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
     if TWO_GROUPS:
-        tok_b = chooser_tokens(ids_ptr, n_tokens, expert, g + (m0 + TOKENS), compact, TOPK, K_POW2)
-        col_b = columns_of(ids_ptr, tok_b, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+        tok_b, col_b = _pass_tokens(ids_ptr, row_ptr, g + (m0 + TOKENS), n_tokens, expert, compact, NUM_ROUTED,
+                                    TOPK, K_POW2, SHARED_ONLY, TABLE)
         any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
         go = any_a | any_b
         both = any_a & any_b
@@ -88,6 +105,29 @@ def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.cons
 
 
 @triton.jit
+def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
+          TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr, SHARED_ONLY: tl.constexpr,
+          COMPACT: tl.constexpr, TABLE: tl.constexpr):
+    """(expert, its slot table row, compact, ranks) of this program's slot: read from the step's slot
+    table (TABLE: routed slots; the shared slot, the grid's last with SHARED_SLOT, has no row and
+    takes every token), or found from the step's ids (``_compacts``)."""
+    if TABLE:
+        row_ptr = table_ptr + tl.program_id(0) * stride_table
+        if SHARED_SLOT:
+            shared = tl.program_id(0) == tl.num_programs(0) - 1
+        else:
+            shared = tl.program_id(0) < 0
+        expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
+        ranks = tl.where(shared, n_tokens, tl.load(row_ptr + 1, mask=shared == 0, other=0))
+        compact = n_tokens < 0  # (the rows name the passes' tokens)
+    else:
+        row_ptr = table_ptr  # (unused)
+        expert = program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_ONLY)
+        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
+    return expert, row_ptr, compact, ranks
+
+
+@triton.jit
 def _fragment_out(m0, NW: tl.constexpr):
     """(rank, output row) of each register of a folded [NW * 32, 4] fragment of the token group at
     rank m0 and this program's NW row blocks (computed where they are stored: nothing held across
@@ -97,14 +137,14 @@ def _fragment_out(m0, NW: tl.constexpr):
 
 
 @triton.jit
-def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
                    TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
-                   NW: tl.constexpr):
+                   NW: tl.constexpr, TABLE: tl.constexpr):
     """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
     rank, i_out = _fragment_out(m0, NW)
-    tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
-    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                            TABLE)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
@@ -117,26 +157,26 @@ def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, n_tokens, expert, a_
 
 
 @triton.jit
-def _store_y(acc, m0, compact, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym, stride_ycol,
-             NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr,
-             NW: tl.constexpr):
+def _store_y(acc, m0, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym,
+             stride_ycol, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+             SHARED_ONLY: tl.constexpr, NW: tl.constexpr, TABLE: tl.constexpr):
     rank, h_out = _fragment_out(m0, NW)
-    tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
-    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                            TABLE)
     y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
     tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
 
 
 @triton.jit
-def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_ptr, cnt_ptr,
-                    n_tokens, n_pairs, inter, inter_shared, k_blocks,
+def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_ptr, cnt_ptr, table_ptr,
+                    n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table,
                     stride_hm, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                     stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
                     NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr):
+                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -145,7 +185,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
     slot (the grid's last) needs only h, complete since the router passed its own wait: it streams
     its weights under the router's tail and waits only before its first store (buffers of this
-    step may reuse memory the router still uses)."""
+    step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
+    from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     if PDL:
         if SHARED_SLOT:
@@ -155,9 +196,11 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
             gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
-        ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se,
-        stride_sb, stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
+    expert, row_ptr, compact, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED, E_POW2,
+                                            TOPK, K_POW2, SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE)
+    w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
+        expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
+        stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
     row_w, row_s = tl.multiple_of(row_w, 16), tl.multiple_of(row_s, 16)
     i_blocks = inter_e // 16
     if (expert >= 0) & (tl.program_id(1) * NW < i_blocks):
@@ -169,10 +212,10 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         kb_begin = tl.program_id(2) * kb_split
         n_steps = kb_split // DEPTH
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
         for m0 in range(0, ranks, STEP):
-            go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED,
-                                                                TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS)
+            go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact,
+                                                                NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS,
+                                                                TABLE)
             if go:
                 x_rows = h_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_hm  # (no token: any readable row)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
@@ -196,13 +239,14 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
-                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, compact, inter_e, ids_ptr, n_tokens,
-                               expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol,
-                               alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
+                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, compact, inter_e, ids_ptr, row_ptr,
+                               n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
+                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW, TABLE)
                 if both:
                     _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, compact, inter_e, ids_ptr,
-                                   n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
-                                   stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW)
+                                   row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit,
+                                   stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT,
+                                   NW, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(0, n_tokens, TOKENS):
@@ -218,22 +262,25 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
 
 
 @triton.jit
-def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
-                   n_tokens, n_pairs, hidden, inter, inter_shared,
+def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr,
+                   n_tokens, n_pairs, hidden, inter, inter_shared, stride_table,
                    stride_am, stride_acol, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                    stride_ysplit, stride_ym, stride_ycol,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
-                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr):
+                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
-    w13 began: PRELOAD reads the first weight step before (PDL) waiting for w13's
-    activations (mma_decode.first_blocks)."""
-    expert, w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
-        ids_ptr, n_pairs, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se,
-        stride_sb, stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY)
+    w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
+    for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
+    from the step's slot table (complete before w13's routed programs passed their wait)."""
+    expert, row_ptr, compact, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED, E_POW2,
+                                            TOPK, K_POW2, SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE)
+    w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
+        expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
+        stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
     row_w, row_s = tl.multiple_of(row_w, 16), tl.multiple_of(row_s, 16)
     stride_am, stride_acol = tl.multiple_of(stride_am, 16), tl.multiple_of(stride_acol, 16)
     h_blocks = hidden // 16
@@ -251,11 +298,10 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
         for m0 in range(0, ranks, STEP):
-            go, both, first, tok_x, col_x, tok_b, col_b = _token_groups(ids_ptr, m0, g, n_tokens, expert, compact,
-                                                                        NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
-                                                                        TWO_GROUPS)
+            go, both, first, tok_x, col_x, tok_b, col_b = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert,
+                                                                        compact, NUM_ROUTED, TOPK, K_POW2,
+                                                                        SHARED_ONLY, TWO_GROUPS, TABLE)
             if go:
                 # lanes without a token: any readable row
                 x_rows = (a_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_am
@@ -269,11 +315,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0)
-                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, n_tokens, expert, y_ptr, stride_ysplit,
-                         stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
+                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
+                         stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
-                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, n_tokens, expert, y_ptr,
-                             stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW)
+                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, row_ptr, n_tokens, expert,
+                             y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW,
+                             TABLE)
 
 
 def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
@@ -289,6 +336,21 @@ def compacts() -> bool:
     """Whether routed experts take compacted token passes (COMPACT), unless MINIMAX_OPS_NO_COMPACT=1
     (read at every launch: A/B runs switch it between rounds of one process)."""
     return os.environ.get("MINIMAX_OPS_NO_COMPACT") != "1"
+
+
+def slot_tables(shared_only: bool, n_tokens: int, compact: bool) -> bool:
+    """The rule: launches of routed slots with compacted passes in steps of more than one token
+    group build the step's slot table first (expert_slots.build_slot_table, one program) and w13 /
+    w2 read their slots from it (TABLE): thousands of expert programs then make a load where each
+    scanned the step's ids several times. One-token-group steps keep the scan (a few ids; their w2
+    finds its expert before its PDL wait, to read its first weights early). The AOT specs follow it."""
+    return not shared_only and n_tokens > TOKENS.value and compact
+
+
+def slot_table_on(shared_only: bool, n_tokens: int) -> bool:
+    """``slot_tables`` at a launch, unless MINIMAX_OPS_NO_SLOT_TABLE=1 (read at every launch: A/B
+    runs switch it between rounds of one process)."""
+    return slot_tables(shared_only, n_tokens, compacts()) and os.environ.get("MINIMAX_OPS_NO_SLOT_TABLE") != "1"
 
 
 def _prefetch(t) -> int:
@@ -322,23 +384,26 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     counters = split_counters(h.device, slots * groups) if split > 1 else None
     if counters is None or part is None:
         split, part, counters = 1, a, ids  # (unused pointers)
+    preload = preload_first(n)
+    table_on = slot_table_on(shared_only, n)
+    table = build_slot_table(ids, slots - int(shared_slot), n_routed, pdl) if table_on else ids
     _mma_w13_kernel[(slots, groups, split)](
-        h32, ids, w, s, sw, ss, a, part, counters, n, n * top_k, inter, w13.inter_shared, hidden // 64,
-        h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
-        a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
+        h32, ids, w, s, sw, ss, a, part, counters, table, n, n * top_k, inter, w13.inter_shared, hidden // 64,
+        table.stride(0), h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1),
+        ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
-        PAIRED=t13.paired, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13), **common)
+        PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),
+        **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
     _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
-        a32, ids, w, s, sw, ss, y, n, n * top_k, hidden, inter, w2.inter_shared,
+        a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0),
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload_first(n),
-        num_warps=nw2, num_stages=1,
-        launch_pdl=pdl, **register_cap(t2), **common)
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+        num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -354,7 +419,8 @@ def aot_specs() -> list[KernelSpec]:
     shared-expert mode, MXFP8 in the table (paired token groups) and merged modes; the inline-PTX
     decode (with and without PDL) for CUDA, the portable one everywhere (MXFP8: small size only)."""
     common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
-                  "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32"}
+                  "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
+                  "stride_table": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
     sig13 = {"h_ptr": "*i32", **common_sig, "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
@@ -383,25 +449,29 @@ def aot_specs() -> list[KernelSpec]:
                     paired = t13.paired
                     t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
                     t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
+                    preload = preloads(n_tokens)  # (as the first step size that runs these tiles)
+                    table = slot_tables(shared_only, n_tokens, True)
+                    tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
                     for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
-                        if ("w13", t13, split, paired) in seen:
+                        if ("w13", t13, split, paired, table) in seen:
                             continue
-                        seen.add(("w13", t13, split, paired))
+                        seen.add(("w13", t13, split, paired, table))
                         specs.append(KernelSpec(
                             _mma_w13_kernel, sig13,
                             dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
-                                 SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired),
+                                 SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired,
+                                 TABLE=table),
                             num_warps=t13.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}",
+                            name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}"
+                                 f"{'_table' if table else ''}",
                             max_registers=t13.max_registers))
-                    preload = preloads(n_tokens)  # (as the first step size that runs these tiles)
-                    if ("w2", t2) not in seen:
-                        seen.add(("w2", t2))
+                    if ("w2", t2, preload, table) not in seen:
+                        seen.add(("w2", t2, preload, table))
                         specs.append(KernelSpec(
                             _mma_w2_kernel, sig2,
                             dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                                 PRELOAD=preload),
+                                 PRELOAD=preload, TABLE=table),
                             num_warps=t2.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{'_preload' if preload else ''}",
+                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}",
                             max_registers=t2.max_registers))
     return specs
