@@ -19,6 +19,11 @@ split program of a (token, kv head) runs index_topk's ``select_blocks_row`` on i
 score row, gets the same deterministic selection (keys are unique), and walks its own share of the
 selected blocks' tiles. The repeated selection costs about what the kernel boundary and the ids'
 round trip through memory cost (BENCHMARKS.md): one launch fewer, no time gained.
+
+fp8 caches meet q and p in fp16 (``F16``: e4m3 -> fp16 is exact and one conversion per pair of values;
+the bf16 form spent about as many instructions converting as loading), bf16 caches stay bf16. A tile
+is a whole block where a sparse step has at least one (token, kv head, selected block) per program,
+half a block otherwise (``_tile``: one-token steps need the smaller tiles to fill the GPU).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 LOG2E = 1.4426950408889634
 SPLIT_CHUNK = 32  # splits merged per step of the merge kernel's loop (1-token steps have up to 32)
-MAX_TILE = 64  # positions per KV tile: half a 128-token block, so 16 blocks x 4 heads fill an H200
+MAX_TILE = 64  # positions per KV tile where whole blocks would leave SMs idle (16 blocks x 4 heads at 1 token)
 _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several splits
 
 
@@ -46,8 +51,8 @@ def _attention_split_kernel(
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
-        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, DOT_FP32: tl.constexpr,
-        PDL: tl.constexpr):
+        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, F16: tl.constexpr,
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -79,6 +84,10 @@ def _attention_split_kernel(
                 mask=g_ok[:, None], other=0.0)
     if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; GPUs take bf16 x bf16 -> fp32
         q = q.to(tl.float32)
+    elif F16:
+        # fp8 K / V: fp16 operands. e4m3 -> fp16 is one exact conversion per pair of values (bf16 takes
+        # three instructions per value); q is RMS-normed, far inside fp16's range; p <= 1 keeps more bits.
+        q = q.to(tl.float16)
     if PDL and not DENSE:
         # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
         # the new token's k / v come from the launch before it, complete once the indexer started, so
@@ -121,9 +130,9 @@ def _attention_split_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        else:  # fp8 -> bf16 is exact
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
+        else:  # fp8 -> fp16 / bf16 is exact
+            k = k.to(tl.float16 if F16 else tl.bfloat16)
+            v = v.to(tl.float16 if F16 else tl.bfloat16)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale folds in k_scale, 1/sqrt(D), log2(e)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -131,7 +140,7 @@ def _attention_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p if DOT_FP32 else p.to(tl.bfloat16)
+        p = p if DOT_FP32 else p.to(tl.float16 if F16 else tl.bfloat16)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     row = ((tok * num_heads + kv_head * GROUP + g).to(tl.int64)) * num_splits + split  # [n, H, S] index
@@ -178,14 +187,19 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stri
 _SM_COUNTS: dict[int, int] = {}
 
 
-def _target_programs(device: torch.device) -> int:
-    """About four resident programs per SM: enough to hide latency of the scattered block loads."""
+def _target_programs(device: torch.device, dense: bool) -> int:
+    """Resident programs to aim for: enough to hide the latency of the scattered block loads (sparse
+    steps: two per SM, each walking longer runs of tiles; dense: four)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 4 * _SM_COUNTS[index]
+    return SPLIT_LAUNCH["dense_per_sm" if dense else "sparse_per_sm"] * _SM_COUNTS[index]
+
+
+# The split kernel's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, pipeline stages.
+SPLIT_LAUNCH = {"sparse_per_sm": 2, "dense_per_sm": 4, "num_stages": 2}
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -193,8 +207,10 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _tile(block_size: int) -> int:
-    return min(block_size, MAX_TILE)
+def _tile(block_size: int, blocks: int | None = None, programs: int = 0) -> int:
+    """Positions per KV tile: whole blocks where a sparse step's (token, kv head, selected block)
+    triples (``blocks``) give every program at least one; else (small sparse steps, dense) MAX_TILE."""
+    return block_size if blocks is not None and blocks >= programs else min(block_size, MAX_TILE)
 
 
 def _block_g(group: int) -> int:
@@ -231,18 +247,19 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = heads // kv_heads
-    tile = _tile(block_size)
     select = scores is not None
     dense = block_ids is None and not select
+    if block_ids is not None:
+        topk = block_ids.shape[2]
+    programs = _target_programs(q.device, dense)
+    tile = _tile(block_size, None if dense else n * kv_heads * topk, programs)
     out = q.new_empty(n, heads * dim)
     if n == 0:
         return out
-    if block_ids is not None:
-        topk = block_ids.shape[2]
     sparse_tiles = 0 if dense else topk * (block_size // tile)
     max_tiles = block_table.shape[1] * (block_size // tile) if dense else sparse_tiles
     if num_splits is None:
-        num_splits = triton.cdiv(_target_programs(q.device), n * kv_heads)
+        num_splits = triton.cdiv(programs, n * kv_heads)
     num_splits = max(1, min(num_splits, max_tiles))
     if not dense:  # drop splits that would get no tile
         num_splits = triton.cdiv(sparse_tiles, triton.cdiv(sparse_tiles, num_splits))
@@ -259,8 +276,8 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
         BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
-        DOT_FP32=q.device.type != "cuda", PDL=pdl, num_warps=4, num_stages=2,
-        launch_pdl=pdl)
+        F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl, num_warps=4,
+        num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
@@ -321,7 +338,11 @@ def aot_specs() -> list[KernelSpec]:
         short, chunk = topk_widths(width, topk)
         for query_len in (1, 2, 4):
             for kv_t in ("*bf16", "*fp8e4nv"):
-                for kind in ("sparse", "select", "dense"):
+                # Whole-block tiles run in larger sparse steps (``_tile``): the real size's fp8 one-token
+                # kernels stand for them.
+                whole = bs > MAX_TILE and kv_t == "*fp8e4nv" and query_len == 1
+                for kind, tile in [(k, _tile(bs)) for k in ("sparse", "select", "dense")] + \
+                        [(k, bs) for k in ("sparse", "select") if whole]:
                     dense, select = kind == "dense", kind == "select"
                     specs.append(KernelSpec(
                         _attention_split_kernel,
@@ -332,11 +353,11 @@ def aot_specs() -> list[KernelSpec]:
                          "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
                          "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
-                         "BLOCK_SIZE": bs, "BLOCK_N": _tile(bs), "BLOCK_TOPK": 1 if dense else topk,
+                         "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
-                         "CHUNK": chunk if select else 1, "DOT_FP32": False},
-                        num_warps=4, num_stages=2,
-                        name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}"))
+                         "CHUNK": chunk if select else 1, "F16": kv_t == "*fp8e4nv", "DOT_FP32": False},
+                        num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
+                        name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(
             _attention_merge_kernel,
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",

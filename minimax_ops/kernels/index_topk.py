@@ -8,7 +8,7 @@ Two passes:
    the request's real length in-kernel (no host sync), the grid from the table width. As a
    programmatic dependent a program reads its first block's keys before it waits, where that block
    holds no key of this step.
-   Scores go to an fp32 scratch [n, Hi, W].
+   Scores go to an fp32 scratch [n, Hi, W]. fp8 keys meet q in fp16 (``F16``), bf16 keys in bf16.
 2. ``_index_topk_kernel``, one program per (token, head): ``select_blocks_row`` packs (score, block)
    into one sortable int64 (``topk_keys``) and keeps the best k with tl.topk. The local block (nb - 1)
    gets the largest key, so it is always chosen first. tl.topk's cost follows its width, not nb: a row
@@ -36,14 +36,14 @@ _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercisin
 
 @triton.jit
 def _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d, load,
-                DOT_FP32: tl.constexpr):
+                F16: tl.constexpr, DOT_FP32: tl.constexpr):
     """The index keys of the request's logical block b ([BLOCK_SIZE, Di], zeros past seq_len or where
-    ``load`` is false), as the score tl.dot takes them."""
+    ``load`` is false), as the score tl.dot takes them (F16: fp8 keys widened to fp16, see the kernel)."""
     page = tl.load(block_table_ptr + req * stride_bt + b, mask=load, other=0).to(tl.int64)
     pos = b * offs.shape[0] + offs
     keys = tl.load(cache_ptr + page * stride_cb + offs[:, None] * stride_cs + d[None, :],
                    mask=((pos < seq_len) & load)[:, None], other=0.0)
-    return keys.to(tl.float32) if DOT_FP32 else keys.to(tl.bfloat16)
+    return keys.to(tl.float32) if DOT_FP32 else keys.to(tl.float16) if F16 else keys.to(tl.bfloat16)
 
 
 @triton.jit
@@ -59,7 +59,8 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
                         num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr,
+                        PDL: tl.constexpr):
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -73,7 +74,7 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     # the step's keys): as a programmatic dependent, the first such block's keys are read before the wait.
     early = (b_start < b_end) & (b_start < (seq_len - QUERY_LEN) // BLOCK_SIZE) & PDL
     keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
-                       early, DOT_FP32)
+                       early, F16, DOT_FP32)
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -89,15 +90,20 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
                 mask=row_ok[:, None], other=0.0)
     if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; real GPUs take bf16 x bf16 -> fp32
         q = q.to(tl.float32)
+    elif F16:
+        # fp8 keys: fp16 operands. e4m3 -> fp16 is one exact conversion per pair of values where bf16
+        # takes three instructions per value, which bounded this pass; q is RMS-normed (|q| <= sqrt(Di)
+        # times its norm weight), far inside fp16's range, and products accumulate in fp32 either way.
+        q = q.to(tl.float16)
     score_ptrs = scores_ptr + tok * stride_sn + head * stride_sh
     if b_start < b_end:
         if not early:
             keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt,
-                               offs, d, True, DOT_FP32)
+                               offs, d, True, F16, DOT_FP32)
         _store_block_score(q, keys, b_start, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
     for b in range(b_start + 1, b_end):
         keys = _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
-                           True, DOT_FP32)
+                           True, F16, DOT_FP32)
         _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
 
 
@@ -156,7 +162,12 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
 def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return SCORE_LAUNCH["programs_per_sm"] * _sm_count(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+# The score pass's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, warps, pipeline stages.
+SCORE_LAUNCH = {"programs_per_sm": 4, "num_warps": 4, "num_stages": 2}
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -220,9 +231,9 @@ def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl) -> torch
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=index_cache.shape[1],
-        BLOCK_M=_block_m(query_len, heads), DOT_FP32=index_q.device.type != "cuda", PDL=pdl, num_warps=4,
-        num_stages=3,
-        launch_pdl=pdl)
+        BLOCK_M=_block_m(query_len, heads), F16=index_cache.dtype == torch.float8_e4m3fn,
+        DOT_FP32=index_q.device.type != "cuda", PDL=pdl, num_warps=SCORE_LAUNCH["num_warps"],
+        num_stages=SCORE_LAUNCH["num_stages"], launch_pdl=pdl)
     return scores
 
 
@@ -278,8 +289,8 @@ def aot_specs() -> list[KernelSpec]:
                      "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
                      "num_splits": "i32"},
                     {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
-                     "BLOCK_M": _block_m(query_len, heads), "DOT_FP32": False},
-                    num_warps=4, num_stages=3, name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
+                     "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False},
+                    num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
             short, chunk = topk_widths(width, block_k)
             specs.append(KernelSpec(

@@ -472,44 +472,52 @@ def _expert_specs(hidden: int, inter: int, n_routed: int, top_k: int, fmt: int, 
 
 
 def _all_expert_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[KernelSpec]:
-    """Expert kernels in every format and shared-expert mode at the real size (every split the
-    heuristic picks for 1- and 16-token steps), table mode at the tiny size. Tiled (an optional
-    layout): the real size with the shared expert merged, in the layouts weights.py produces."""
+    """Expert kernels at the real size in the merged and shared-only modes (every split the
+    heuristic picks for 1- and 16-token steps), in every format (PTX: the MXFP4 launches of more
+    than one token, the one-token steps decode portably). Tiled (an optional layout): the merged
+    mode in the layouts weights.py produces (decoded portably: the PTX decode reads row layouts).
+    Left out, compiling no line the kept ones do not: the table and routed modes (SHARED_SLOT and
+    SHARED_SEPARATE only add selects to the merged mode's code) and the tiny size (its flags and
+    tiles are the real size's, only narrower)."""
     specs, seen = [], set()
     formats = (FMT_MXFP4, FMT_MXFP4_WORDS) if ptx else (FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS)
     if tiled:
         formats = tuple(f for f in formats if f != FMT_MXFP4)
-    for hidden, inter, n_routed, top_k in (AOT_SIZES[-1:] if ptx or tiled else AOT_SIZES):
-        modes = ("table",) if hidden == AOT_SIZES[0][0] else ("merged",) if tiled else tuple(_MODES)
-        for fmt in formats:
-            for mode in modes:
-                for n in AOT_TOKENS:
-                    for spec in _expert_specs(hidden, inter, n_routed, top_k, fmt, mode,
-                                              *_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n), ptx,
-                                              tiled, pdl):
-                        if spec.label() not in seen:
-                            seen.add(spec.label())
-                            specs.append(spec)
+    hidden, inter, n_routed, top_k = AOT_SIZES[-1]
+    for fmt in formats:
+        for mode in ("merged",) if tiled else ("merged", "shared"):
+            for n in AOT_TOKENS:
+                t13, t2 = _launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)
+                if ptx and t13.fma:  # (launches take PTX only off the one-token FMA path)
+                    continue
+                for spec in _expert_specs(hidden, inter, n_routed, top_k, fmt, mode, t13, t2, ptx, tiled, pdl):
+                    if spec.label() not in seen:
+                        seen.add(spec.label())
+                        specs.append(spec)
     return specs
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Every specialisation: the combine at both sizes and the expert kernels (``_all_expert_specs``),
-    row and tiled layouts; the MXFP4 inline-PTX and PDL ones for CUDA only (their ``targets``)."""
+    """Every specialisation: the combine (real size: every split, with and without the shared
+    expert; the tiny size adds none) and the expert kernels (``_all_expert_specs``), row and tiled
+    layouts; the MXFP4 inline-PTX ones and the PDL ones for CUDA only (their ``targets``). PDL only
+    adds the prefetch and the waits, so where launches take both the PDL variant stands for the
+    other: the PTX ones with PDL only (the fused layer's), the tiled ones without PDL for HIP only.
+    None with PTX and tiled: tiled tables decode portably."""
     specs = []
-    for hidden, inter, n_routed, top_k in AOT_SIZES:
-        splits = sorted({_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)[1].split
-                         for fmt in EXPERT_FORMATS for mode in _MODES for n in AOT_TOKENS})
-        for has_shared, pdl in ((True, False), (False, False), (True, True)):
-            for split in splits:
-                specs.append(KernelSpec(
-                    _moe_combine_kernel,
-                    {"y_ptr": "*fp32", "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
-                     "hidden": "i32", "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32",
-                     "stride_om": "i32"},
-                    {"NUM_ROUTED": n_routed, "TOPK": top_k, "HAS_SHARED": has_shared, "BLOCK_H": COMBINE_BLOCK,
-                     "SPLIT": split, "PDL": pdl}, targets=("cuda",) if pdl else (),
-                    name=f"moe_combine_h{hidden}_shared{int(has_shared)}_split{split}{'_pdl' if pdl else ''}"))
-    return (specs + _all_expert_specs(ptx=False) + _all_expert_specs(ptx=False, tiled=True)
-            + _all_expert_specs(ptx=True) + _all_expert_specs(ptx=True, tiled=True, pdl=True)
+    hidden, inter, n_routed, top_k = AOT_SIZES[-1]
+    splits = sorted({_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)[1].split
+                     for fmt in EXPERT_FORMATS for mode in _MODES for n in AOT_TOKENS})
+    for has_shared, pdl in ((True, False), (False, False), (True, True)):
+        for split in splits:
+            specs.append(KernelSpec(
+                _moe_combine_kernel,
+                {"y_ptr": "*fp32", "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
+                 "hidden": "i32", "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32",
+                 "stride_om": "i32"},
+                {"NUM_ROUTED": n_routed, "TOPK": top_k, "HAS_SHARED": has_shared, "BLOCK_H": COMBINE_BLOCK,
+                 "SPLIT": split, "PDL": pdl}, targets=("cuda",) if pdl else (),
+                name=f"moe_combine_h{hidden}_shared{int(has_shared)}_split{split}{'_pdl' if pdl else ''}"))
+    tiled_hip = [dataclasses.replace(s, targets=("hip",)) for s in _all_expert_specs(ptx=False, tiled=True)]
+    return (specs + _all_expert_specs(ptx=False) + tiled_hip + _all_expert_specs(ptx=True, pdl=True)
             + _all_expert_specs(ptx=False, tiled=True, pdl=True))

@@ -415,9 +415,28 @@ _MODES = {"table": (True, False, False), "merged": (True, True, False), "shared"
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Both kernels with the default tiles (and w13 split in two): MXFP4 at both sizes in every
-    shared-expert mode, MXFP8 in the table (paired token groups) and merged modes; the inline-PTX
-    decode (with and without PDL) for CUDA, the portable one everywhere (MXFP8: small size only)."""
+    """The launches' specialisations of both kernels (default tiles; w13 also split in two where
+    its tiles are not paired):
+    - inline-PTX decode (CUDA): MXFP4 and MXFP8 in the merged mode (the loader's: the shared expert
+      given separately, in the table's layout) with and without PDL; the shared-only mode and the
+      routed slot-table kernels with PDL; MXFP4 at the small size without PDL;
+    - the portable emulation (HIP): MXFP4 at the real size, MXFP8 one-token steps at the small size;
+      on CUDA only the MXFP4 one-token pair and the MXFP8 one-token w2 (mma layouts are laid out
+      where the PTX kernels run, weights.mma_layout_default, and launches there take PTX unless
+      MINIMAX_OPS_NO_PTX=1);
+    - paired token groups (TWO_GROUPS) once per kernel: they launch only with fixed token groups
+      (``_two_groups``, MINIMAX_OPS_NO_COMPACT=1), on the PTX decode.
+    Left out, as compiling no line the kept specs do not on the same target:
+    - the table mode (SHARED_SEPARATE only adds selects to the merged mode's code) and the routed
+      mode (SHARED_SLOT=False only drops one) but for its slot-table kernels, whose row read
+      (``_slot``) differs; the PDL entry wait without a shared slot is the shared-only mode's too;
+    - PTX without PDL (PDL only adds the waits) but in the merged mode and at the small size: the
+      vocabulary ops launch them, and the fragment-layout probe of tests/test_kernels_aot.py reads
+      exactly these specs;
+    - the small size where its flags and tiles are the real size's (MXFP4 portable, PTX with PDL,
+      MXFP8 PTX);
+    - the MXFP8 portable slot-table kernels: they add only slot-table code, format-independent,
+      that the MXFP4 portable ones compile on the same targets."""
     common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
                   "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
                   "stride_table": "i32"}
@@ -427,51 +446,67 @@ def aot_specs() -> list[KernelSpec]:
              "stride_pm": "i32", "stride_pcol": "i32", "alpha": "fp32", "limit": "fp32"}
     sig2 = {"a_ptr": "*i32", **common_sig, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32", "stride_acol": "i32",
             **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32"}
-    specs = []
-    for fp8, (hidden, inter, n_routed, top_k) in itertools.product((False, True), AOT_SIZES):
-        modes = _MODES if hidden == AOT_SIZES[-1][0] else {"table": _MODES["table"]}
-        if fp8:  # the MXFP4 specs cover the shared-expert modes; these the fp8 decode
-            modes = {m: modes[m] for m in ("table", "merged") if m in modes}
-        for mode, (shared_slot, shared_separate, shared_only) in modes.items():
-            for ptx, pdl in ((False, False), (True, False), (True, True)):
-                if fp8 and not ptx and hidden != AOT_SIZES[0][0]:
-                    continue  # portable fp8 at the small size only (mma layouts are laid out only where PTX runs)
-                common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
-                          "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
-                          "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                          "FP8": fp8, "TWO_GROUPS": fp8 and mode == "table" and ptx, "COMPACT": True}
-                targets = ("cuda",) if ptx else ()
-                label = f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                # as one-token steps and larger steps (16) run them, each distinct kernel once
-                seen = set()
-                for n_tokens in (1, 16):
-                    t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
-                    paired = t13.paired
-                    t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
-                    t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
-                    preload = preloads(n_tokens)  # (as the first step size that runs these tiles)
-                    table = slot_tables(shared_only, n_tokens, True)
-                    tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
-                    for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
-                        if ("w13", t13, split, paired, table) in seen:
-                            continue
-                        seen.add(("w13", t13, split, paired, table))
-                        specs.append(KernelSpec(
-                            _mma_w13_kernel, sig13,
-                            dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
-                                 SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired,
-                                 TABLE=table),
-                            num_warps=t13.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}"
-                                 f"{'_table' if table else ''}",
-                            max_registers=t13.max_registers))
-                    if ("w2", t2, preload, table) not in seen:
-                        seen.add(("w2", t2, preload, table))
-                        specs.append(KernelSpec(
-                            _mma_w2_kernel, sig2,
-                            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                                 PRELOAD=preload, TABLE=table),
-                            num_warps=t2.num_warps, num_stages=1, targets=targets,
-                            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}",
-                            max_registers=t2.max_registers))
+    specs, seen = [], set()
+
+    def launch(fp8, size, mode, ptx, pdl, n_tokens, targets, tables=None, compact=True, w2_targets=None):
+        """Append the w13 / w2 kernels an n_tokens step launches (as the first step size that runs
+        these tiles; compact: MINIMAX_OPS_NO_COMPACT unset), each distinct kernel once, for targets
+        (w2: w2_targets if given); tables True / False: only if they do / do not read the step's
+        slot table."""
+        hidden, inter, n_routed, top_k = size
+        shared_slot, shared_separate, shared_only = _MODES[mode]
+        t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
+        paired = t13.paired
+        t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
+        t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
+        preload = preloads(n_tokens)
+        table = slot_tables(shared_only, n_tokens, compact)
+        if tables is not None and table != tables:
+            return
+        two = fp8 and ptx and n_tokens > TOKENS.value and not compact  # (_two_groups)
+        common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
+                  "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
+                  "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
+                  "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact}
+        label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
+                 f"{'' if compact else '_fixed'}{'_two' if two else ''}")
+        tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
+        for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
+            if (label, "w13", t13, split, table) in seen:
+                continue
+            seen.add((label, "w13", t13, split, table))
+            specs.append(KernelSpec(
+                _mma_w13_kernel, sig13,
+                dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
+                     SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired, TABLE=table),
+                num_warps=t13.num_warps, num_stages=1, targets=targets,
+                name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}"
+                     f"{'_table' if table else ''}",
+                max_registers=t13.max_registers))
+        if (label, "w2", t2, preload, table) not in seen:
+            seen.add((label, "w2", t2, preload, table))
+            specs.append(KernelSpec(
+                _mma_w2_kernel, sig2,
+                dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
+                     PRELOAD=preload, TABLE=table),
+                num_warps=t2.num_warps, num_stages=1, targets=targets if w2_targets is None else w2_targets,
+                name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}", max_registers=t2.max_registers))
+
+    small, real = AOT_SIZES
+    for fp8, n_tokens in itertools.product((False, True), (1, 16)):
+        # PTX, real size: the merged mode with and without PDL, the shared-only and routed modes with;
+        # MXFP8 in the merged mode only (the MXFP4 specs cover the modes, these the fp8 decode).
+        for mode, pdl in (("merged", False), ("merged", True), ("shared", True), ("routed", True)):
+            if not fp8 or mode == "merged":
+                launch(fp8, real, mode, True, pdl, n_tokens, ("cuda",), tables=True if mode == "routed" else None)
+        if fp8:  # portable MXFP8 at the small size only (mma layouts are laid out only where PTX runs)
+            launch(fp8, small, "table", False, False, n_tokens, ("hip",), tables=False, w2_targets=())
+            continue
+        launch(fp8, small, "table", True, False, n_tokens, ("cuda",))
+        for mode in ("merged", "shared", "routed"):  # portable, real size; CUDA: the merged one-token pair
+            launch(fp8, real, mode, False, False, n_tokens, () if mode == "merged" and n_tokens == 1 else ("hip",),
+                   tables=True if mode == "routed" else None)
+    # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
+    # compiled once per kernel (w13 and w2 both pair the groups), for the PTX decode it runs on.
+    launch(True, real, "merged", True, False, 16, ("cuda",), compact=False)
     return specs

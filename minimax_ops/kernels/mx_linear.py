@@ -189,6 +189,12 @@ def _linear_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[Ker
 
 def aot_specs() -> list[KernelSpec]:
     """Every specialisation, row and tiled layouts; the MXFP4 inline-PTX and PDL ones for CUDA only
-    (their ``targets``)."""
-    return (_linear_specs(ptx=False) + _linear_specs(ptx=False, tiled=True) + _linear_specs(ptx=True)
-            + _linear_specs(ptx=True, tiled=True, pdl=True) + _linear_specs(ptx=False, tiled=True, pdl=True))
+    (their ``targets``). Where a variant only adds code to another, launches of both compile as
+    the larger: PDL (the prefetch and the wait) stands for no PDL, so the PTX ones are PDL only
+    (the fused layer's) and the tiled ones without PDL HIP only; the fused split-K reduction
+    (SPLIT_FUSED: the partials' stores, then the last split's sum) stands for SPLIT_PARTIALS (the
+    stores alone). None with PTX and tiled: tiled weights decode portably."""
+    specs = (_linear_specs(ptx=False)
+             + [dataclasses.replace(s, targets=("hip",)) for s in _linear_specs(ptx=False, tiled=True)]
+             + _linear_specs(ptx=True, pdl=True) + _linear_specs(ptx=False, tiled=True, pdl=True))
+    return [s for s in specs if s.constexprs["SPLIT_MODE"] != SPLIT_PARTIALS]

@@ -171,47 +171,45 @@ AOT_TOKENS = (1, 16)
 
 
 def aot_specs() -> list[KernelSpec]:
-    """Fused and two-kernel router at both sizes; for CUDA only (``targets``) the 3xTF32 logits of
-    many-token steps and the PDL launch of the fused router."""
+    """Fused and two-kernel router at the real size; for CUDA only (``targets``) the 3xTF32 logits
+    of many-token steps and the PDL launch of the fused router. Left out, compiling no line the kept
+    ones do not: the tiny size (the same flags, narrower tiles and one split), routers without a
+    bias (HAS_BIAS only adds its load) and the fused router without PDL on CUDA (PDL only adds the
+    wait: its PDL launch stands for it there)."""
     specs = []
-    for hidden, inter, n_routed, top_k in AOT_SIZES:
-        size = f"h{hidden}"
-        for n in AOT_TOKENS:
-            cfg = router_config(n, n_routed, hidden, 132)
-            if cfg.logits == 1:  # 3xTF32 is CUDA-only (below); HIP runs LOGITS 2
-                cfg = dataclasses.replace(cfg, logits=2)
-            block_e, block_h, split = cfg.block_e, block_k_for(hidden, cfg.block_h), cfg.split
-            for has_bias in (True, False):
-                meta = {"HAS_BIAS": has_bias, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
-                        "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(split)}
-                tag = f"{size}_e{block_e}h{block_h}x{meta['SPLIT_POW2']}_l{cfg.logits}_bias{int(has_bias)}"
-                for fuse, pdl in ((True, False), (False, False), (True, True)):
-                    specs.append(KernelSpec(
-                        _router_logits_kernel,
-                        {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
-                         "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "n_tokens": "i32",
-                         "n_experts": "i32", "iters_per_split": "i32", "n_split": "i32", "stride_hm": "i32",
-                         "stride_ge": "i32", "scaling": "fp32"},
-                        dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
-                             FUSED_TOPK=fuse, PDL=pdl), num_warps=cfg.num_warps, targets=("cuda",) if pdl else (),
-                        name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
-                specs.append(KernelSpec(
-                    _router_topk_kernel,
-                    {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
-                     "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
-                    meta, name=f"router_topk_{tag}"))
-        cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
-        block_h = block_k_for(hidden, cfg.block_h)
+    hidden, inter, n_routed, top_k = AOT_SIZES[-1]
+    logits_sig = {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "bias_ptr": "*fp32",
+                  "weights_ptr": "*fp32", "ids_ptr": "*i32", "n_tokens": "i32", "n_experts": "i32",
+                  "iters_per_split": "i32", "n_split": "i32", "stride_hm": "i32", "stride_ge": "i32",
+                  "scaling": "fp32"}
+    for n in AOT_TOKENS:
+        cfg = router_config(n, n_routed, hidden, 132)
+        if cfg.logits == 1:  # 3xTF32 is CUDA-only (below); HIP runs LOGITS 2
+            cfg = dataclasses.replace(cfg, logits=2)
+        block_e, block_h, split = cfg.block_e, block_k_for(hidden, cfg.block_h), cfg.split
+        meta = {"HAS_BIAS": True, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
+                "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(split)}
+        tag = f"h{hidden}_e{block_e}h{block_h}x{meta['SPLIT_POW2']}_l{cfg.logits}_bias1"
+        for fuse, pdl, targets in ((True, False, ("hip",)), (False, False, ()), (True, True, ("cuda",))):
+            specs.append(KernelSpec(
+                _router_logits_kernel, logits_sig,
+                dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
+                     FUSED_TOPK=fuse, PDL=pdl), num_warps=cfg.num_warps, targets=targets,
+                name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
         specs.append(KernelSpec(
-            _router_logits_kernel,
-            {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "bias_ptr": "*fp32",
-             "weights_ptr": "*fp32", "ids_ptr": "*i32", "n_tokens": "i32", "n_experts": "i32",
-             "iters_per_split": "i32", "n_split": "i32", "stride_hm": "i32", "stride_ge": "i32", "scaling": "fp32"},
-            {"HAS_BIAS": True, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
-             "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(cfg.split),
-             "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
-             "PDL": False}, num_warps=cfg.num_warps, targets=("cuda",),
-            name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
+            _router_topk_kernel,
+            {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+             "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
+            meta, name=f"router_topk_{tag}"))
+    cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
+    block_h = block_k_for(hidden, cfg.block_h)
+    specs.append(KernelSpec(
+        _router_logits_kernel, logits_sig,
+        {"HAS_BIAS": True, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
+         "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(cfg.split),
+         "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
+         "PDL": False}, num_warps=cfg.num_warps, targets=("cuda",),
+        name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
     return list(unique.values())
