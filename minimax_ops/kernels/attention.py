@@ -37,6 +37,7 @@ import triton.language as tl
 from .aot import KernelSpec, with_pdl_variants
 from .index_topk import select_blocks_row, topk_widths
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
+from .tiles import num_sms
 
 LOG2E = 1.4426950408889634
 SPLIT_CHUNK = 32  # splits merged per step of the merge kernel's loop (1-token steps have up to 32)
@@ -184,18 +185,12 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stri
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def _target_programs(device: torch.device, dense: bool) -> int:
     """Resident programs to aim for: enough to hide the latency of the scattered block loads (sparse
     steps: two per SM, each walking longer runs of tiles; dense: four)."""
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return SPLIT_LAUNCH["dense_per_sm" if dense else "sparse_per_sm"] * _SM_COUNTS[index]
+    return SPLIT_LAUNCH["dense_per_sm" if dense else "sparse_per_sm"] * num_sms(device)
 
 
 # The split kernel's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, pipeline stages.

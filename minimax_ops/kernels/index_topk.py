@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
+from .tiles import num_sms
 
 TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide, longer rows 4x slices
 _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
@@ -162,21 +163,11 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
 def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    return SCORE_LAUNCH["programs_per_sm"] * _sm_count(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return SCORE_LAUNCH["programs_per_sm"] * num_sms(device)
 
 
 # The score pass's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, warps, pipeline stages.
 SCORE_LAUNCH = {"programs_per_sm": 4, "num_warps": 4, "num_stages": 2}
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
 
 
 def _block_m(query_len: int, index_heads: int) -> int:

@@ -412,7 +412,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
 
 # (H, I, routed experts, top-k): the tiny preset and the real model.
-AOT_SIZES = [(64, 32, 8, 2), (6144, 3072, 128, 4)]
+AOT_SIZE = (6144, 3072, 128, 4)  # (hidden, inter, routed experts, top-k): the real model's
 AOT_TOKENS = (1, 16)
 # (SHARED_SLOT, SHARED_SEPARATE, SHARED_ONLY): shared expert in the table, separate but merged into
 # the routed launches, separate in its own launches, absent.
@@ -483,7 +483,7 @@ def _all_expert_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list
     formats = (FMT_MXFP4, FMT_MXFP4_WORDS) if ptx else (FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS)
     if tiled:
         formats = tuple(f for f in formats if f != FMT_MXFP4)
-    hidden, inter, n_routed, top_k = AOT_SIZES[-1]
+    hidden, inter, n_routed, top_k = AOT_SIZE
     for fmt in formats:
         for mode in ("merged",) if tiled else ("merged", "shared"):
             for n in AOT_TOKENS:
@@ -505,7 +505,7 @@ def aot_specs() -> list[KernelSpec]:
     other: the PTX ones with PDL only (the fused layer's), the tiled ones without PDL for HIP only.
     None with PTX and tiled: tiled tables decode portably."""
     specs = []
-    hidden, inter, n_routed, top_k = AOT_SIZES[-1]
+    hidden, inter, n_routed, top_k = AOT_SIZE
     splits = sorted({_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)[1].split
                      for fmt in EXPERT_FORMATS for mode in _MODES for n in AOT_TOKENS})
     for has_shared, pdl in ((True, False), (False, False), (True, True)):
