@@ -96,8 +96,8 @@ def test_tile_configs_agree(fmt, device):
     (w, s), (kw, ks) = make_weight(n, 128, fmt, device)
     x = torch.randn(40, 128, device=device).bfloat16()
     want = ref.linear(x, w, s)
-    configs = [GemvConfig(16, 16, 32, split_k=3, swap_ab=False), GemvConfig(16, 32, 64, split_k=2),
-               GemvConfig(64, 64, 128, swap_ab=False)]
+    configs = [GemvConfig(16, 16, 32, split_k=3), GemvConfig(16, 32, 64, split_k=2, swap_ab=True),
+               GemvConfig(64, 64, 128, swap_ab=True)]
     if device == "cuda" and fmt.startswith("mxfp4"):
         configs.append(GemvConfig(16, 64, 64, ptx=False))  # the portable decode next to the PTX one
     for cfg in configs:
@@ -281,7 +281,7 @@ def test_moe_split_and_chunked_tiles(fmt, device):
                         tiles=(ExpertTiles(16, 32), ExpertTiles(32, 32)))
     for t13, t2 in ((ExpertTiles(16, 32, split=2), ExpertTiles(32, 32, split=2)),
                     (ExpertTiles(16, 32, k_chunks=2), ExpertTiles(16, 32, split=3)),
-                    (ExpertTiles(32, 32, split=2, k_chunks=1), ExpertTiles(64, 32, k_chunks=2))):
+                    (ExpertTiles(32, 32, split=2, k_chunks=1, swap_ab=True), ExpertTiles(64, 32, k_chunks=2, swap_ab=True))):
         out = moe_experts(h, ids, weights, *ktable, num_routed_experts=E, tiles=(t13, t2))
         assert rel_err(out, want) < 1.5e-2, (t13, t2)
         assert rel_err(out, plain) < 1e-2, (t13, t2)

@@ -7,7 +7,8 @@
 
 Each kernel module lists its specialisations in ``aot_specs() -> list[KernelSpec]``; every one is
 run through the real compiler (``triton.compile(ASTSource(...), target=GPUTarget(...))``) down to
-a cubin (CUDA) or hsaco (HIP). The Triton interpreter replaces ``@triton.jit`` functions, so this
+a cubin (CUDA) or hsaco (HIP); each cubin is disassembled and refused if it writes a register an
+in-flight wgmma still reads (``wgmma_hazards``). The Triton interpreter replaces ``@triton.jit`` functions, so this
 must run with TRITON_INTERPRET unset (it re-executes itself without it).
 
 Coverage: every ``@triton.jit`` function defined in a kernel module must be listed in some spec or
@@ -35,8 +36,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
+from . import wgmma_hazards
+
 PACKAGE = "minimax_ops.kernels"
-NOT_KERNEL_MODULES = {"aot", "aot_check"}
+NOT_KERNEL_MODULES = {"aot", "aot_check", "wgmma_hazards"}
 
 
 @dataclass
@@ -229,7 +232,11 @@ def compile_spec(spec, target: tuple) -> list[str]:
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
     signature = full_signature(spec)
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec))
+    attrs = None
+    if target[0] == "cuda":  # as a launch specialises: 16-byte aligned pointers, strides multiples of 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+                 if kind.startswith("*") or name.startswith("stride")}
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec), attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if spec.max_registers and target[0] == "cuda":
         options["maxnreg"] = spec.max_registers
@@ -239,6 +246,11 @@ def compile_spec(spec, target: tuple) -> list[str]:
         raise RuntimeError(f"compiled without producing a {binary}")
     if "maxnreg" in options and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
         raise RuntimeError(f"the register cap {spec.max_registers} did not reach the PTX")
+    if target[0] == "cuda":
+        hazards = wgmma_hazards.check_cubin(compiled.asm["cubin"])
+        if hazards:
+            raise RuntimeError(f"wgmma register race: {len(hazards)} writes to in-flight A registers, first "
+                               f"{hazards[0]}")
     return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or ""))
 
 

@@ -206,7 +206,10 @@ def _mma(acc, x, w, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
         x = x.to(tl.float32)
         w = w.to(tl.float32)
     if SWAP_AB:
-        acc = tl.dot(w, tl.trans(x), acc)
+        # "+ 0.0" uses the product inside the loop, so Triton waits for this wgmma here instead of
+        # leaving it in flight into the next iteration, whose decode ptxas gives the registers this
+        # wgmma's A operand still reads (a race: wgmma_hazards.py; the loads stay pipelined).
+        acc = tl.dot(w, tl.trans(x), acc) + 0.0
     else:
         acc = tl.dot(x, tl.trans(w), acc)
     return acc

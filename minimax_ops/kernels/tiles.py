@@ -20,6 +20,11 @@ DEFAULT_SMS = 132  # an H200; used where no GPU can be asked (CPU / interpreter)
 TOKEN_BLOCK = 16  # token rows per tl.dot tile (a step's tokens, padded)
 
 
+# SWAP_AB_NOTE: the row kernels (stream_rows) put the tokens, not the weights, in the MMA's A operand.
+# With the decoded weights as A (swap_ab), 16 tokens make a 64 x 16 wgmma whose A sits in registers;
+# Triton 3.6 leaves it in flight into the next K step, where ptxas reuses those registers for the next
+# decode (a race, wgmma_hazards.py), and waiting for it every step (mx_decode._mma) made the kernels
+# slower than the tokens-as-A form (mma.sync) on the H200 (BENCHMARKS.md, thirteenth session).
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     block_m: int
@@ -28,7 +33,7 @@ class GemvConfig:
     split_k: int = 1  # requested splits of K (the wrapper rounds to whole BLOCK_K steps)
     num_warps: int = 4
     num_stages: int = 3
-    swap_ab: bool = True  # weights as the MMA's A operand: wgmma on Hopper, fewer register moves
+    swap_ab: bool = False  # weights as the MMA's A operand (see SWAP_AB_NOTE)
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever use_ptx(device) allows
     fused_reduce: bool = True  # split-K: the last split program of a tile sums the partials
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (longer runs of each weight row per step)
@@ -102,7 +107,7 @@ class ExpertTiles:
     num_warps: int = 4
     num_stages: int = 3
     split: int = 1  # K splits (w13: over H, w2: over I)
-    swap_ab: bool = True
+    swap_ab: bool = False  # weights as the MMA's A operand (see SWAP_AB_NOTE)
     ptx: bool | None = None  # MXFP4 inline-PTX decode; None: wherever mx_linear.use_ptx allows
     k_chunks: int = 1  # BLOCK_K tiles per K-loop step (see mx_linear.stream_rows)
     fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
