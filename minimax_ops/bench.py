@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
@@ -160,23 +161,40 @@ def bench_case(layers, caches, meta, *, compile_unfused: bool):
         compiled = torch.compile(unfused, fullgraph=True)
         row["unfused_compiled_us"] = _time(compiled, graph=True) / depth
     row["launches"] = kernel_launches(layer_chain(layers[:1], caches[:1], x, residual, meta, fused=True))
-    row["bytes"] = statistics.mean(touched_bytes(layer, cache, meta, x) for layer, cache in zip(layers, caches))
+    row["bytes"] = chain_bytes(layers, caches, x, residual, meta)
     return row
 
 
-def touched_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, x: torch.Tensor) -> int:
-    """step_bytes of a step of input x: its experts (routed from a random h) and KV blocks (indexed from
-    x's projection) found by running the router and the indexer."""
-    c = layer.config
-    h = torch.randn_like(x)
-    _, ids = torch.ops.minimax.route(h.to(torch.bfloat16), layer.gate, layer.gate_bias, c.num_experts_per_tok,
-                                     c.routed_scaling_factor)
-    qkv = torch.ops.minimax.mx_linear(x, layer.qkv, layer.qkv_scale)
-    index_q = qkv[:, c.q_size + 2 * c.kv_size:c.q_size + 2 * c.kv_size + c.index_q_size]
-    index_q = index_q.reshape(-1, c.sparse_num_index_heads, c.sparse_index_dim).contiguous()
-    block_ids = torch.ops.minimax.index_topk(index_q, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
-                                             c.sparse_topk_blocks)
-    return step_bytes(layer, cache, meta, ids.cpu(), block_ids.cpu())
+class _StepChoices(TorchDispatchMode):
+    """Records, in call order, the expert ids of every ``minimax.route`` and the block ids of every
+    ``minimax.index_topk`` that runs under it (the unfused chain calls each once per sparse layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: list[torch.Tensor] = []
+        self.blocks: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name == "minimax::route":
+            self.ids.append(out[1].cpu())
+        elif name == "minimax::index_topk":
+            self.blocks.append(out.cpu())
+        return out
+
+
+def chain_bytes(layers, caches, x, residual, meta) -> float:
+    """step_bytes per layer (mean over the chain) of the step the benchmark times: the experts each
+    layer routes to and the KV blocks its indexer selects, read from one eager run of the unfused
+    chain on the same inputs (the fused op computes the same choices up to rounding)."""
+    with _StepChoices() as seen:
+        layer_chain(layers, caches, x, residual, meta, fused=False)()
+    if len(seen.ids) != len(layers) or len(seen.blocks) != len(layers):
+        raise RuntimeError(f"expected one route and one index_topk per layer, saw {len(seen.ids)} / "
+                           f"{len(seen.blocks)} for {len(layers)} layers")
+    return statistics.mean(step_bytes(layer, cache, meta, ids, blocks)
+                           for layer, cache, ids, blocks in zip(layers, caches, seen.ids, seen.blocks))
 
 
 def layer_caches(cfg, count: int, max_tokens: int, max_context: int, device) -> tuple[list[LayerCache], int]:
@@ -205,48 +223,62 @@ def build_layers(cfg, fmt: str, count: int, layout: str, generator, device) -> l
     return [MiniMaxM3DecoderLayer(cfg, w, LAYER + i).to(device) for i, w in enumerate(copies)]
 
 
-def stage_breakdown(layer, cache, meta) -> list[tuple[str, float, int]]:
-    """(stage, microseconds from graph replay, bytes of weights it streams) for each vocabulary op."""
-    mm, c = torch.ops.minimax, layer.config
-    dev = cache.kv.device
+def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]:
+    """(stage, us alone, us per call in a chain, bytes of weights a call streams) for each vocabulary op
+    and the fused op's indexer + attention kernels (launched as the fused op launches them). "Alone":
+    a graph of one call, replayed (launch gaps included, as earlier runs reported); "chain": a graph
+    of one call per layer copy (distinct weights and caches, so L2 holds none of a call's bytes),
+    divided by the copies: the kernels' own time, as they run back to back in a model step."""
+    from .kernels.decode_layer import kernel_stages  # (CUDA only: the stage kernels)
+    mm, c = torch.ops.minimax, layers[0].config
     n = meta.num_tokens
-    x = torch.randn(n, c.hidden_size, device=dev).to(torch.bfloat16)
-    qkv = mm.mx_linear(x, layer.qkv, layer.qkv_scale)
-    q, iq = mm.qk_norm_rope_kv_index_insert(
-        qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, layer.q_norm, layer.k_norm,
-        layer.index_q_norm, layer.index_k_norm, cache.kv, cache.index, c.num_attention_heads,
-        c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.sparse_num_index_heads,
-        c.sparse_index_dim)
-    ids = mm.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len, c.sparse_topk_blocks)
-    attn = mm.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0)
-    w, e = mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
-    expert_bytes = sum(_bytes(t[0]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale)
-                       if t is not None) * len(torch.unique(e))
-    stages = [
-        ("add_rmsnorm", lambda: mm.add_rmsnorm(x, x, layer.input_norm, c.rms_norm_eps), 0),
-        ("mx_linear qkv", lambda: mm.mx_linear(x, layer.qkv, layer.qkv_scale),
-         _bytes(layer.qkv) + _bytes(layer.qkv_scale)),
-        ("qk_norm_rope_kv_index_insert", lambda: mm.qk_norm_rope_kv_index_insert(
+    x = torch.randn(n, c.hidden_size, device=caches[0].kv.device).to(torch.bfloat16)
+    ins = []
+    for layer, cache in zip(layers, caches):
+        qkv = mm.mx_linear(x, layer.qkv, layer.qkv_scale)
+        q, iq = mm.qk_norm_rope_kv_index_insert(
             qkv, meta.positions, meta.slot_mapping, meta.index_slot_mapping, layer.q_norm, layer.k_norm,
             layer.index_q_norm, layer.index_k_norm, cache.kv, cache.index, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.sparse_num_index_heads,
-            c.sparse_index_dim), 0),
-        ("index_topk", lambda: mm.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len,
-                                             c.sparse_topk_blocks), 0),
-        ("sparse_attention_decode", lambda: mm.sparse_attention_decode(
-            q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0), 0),
-        ("mx_linear o_proj", lambda: mm.mx_linear(attn, layer.o_proj, layer.o_proj_scale),
-         _bytes(layer.o_proj) + _bytes(layer.o_proj_scale)),
-        ("route", lambda: mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor),
-         _bytes(layer.gate)),
-        ("moe_experts", lambda: mm.moe_experts(x, e, w, layer.w13, layer.w13_scale, layer.w2, layer.w2_scale,
-                                               layer.shared_w13, layer.shared_w13_scale, layer.shared_w2,
-                                               layer.shared_w2_scale, c.num_local_experts, c.swiglu_alpha,
-                                               c.swiglu_limit),
-         expert_bytes + sum(_bytes(getattr(layer, k)) for k in ("shared_w13", "shared_w13_scale", "shared_w2",
-                                                                  "shared_w2_scale"))),
+            c.sparse_index_dim)
+        ids = mm.index_topk(iq, cache.index, meta.block_table, meta.seq_lens, meta.query_len, c.sparse_topk_blocks)
+        attn = mm.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0)
+        w, e = mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
+        ins.append(dict(layer=layer, cache=cache, qkv=qkv, q=q, iq=iq, ids=ids, attn=attn, w=w, e=e))
+    shared = ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
+    expert_bytes = statistics.mean(
+        sum(_bytes(t[0]) for t in (d["layer"].w13, d["layer"].w13_scale, d["layer"].w2, d["layer"].w2_scale)
+            if t is not None) * len(torch.unique(d["e"])) + sum(_bytes(getattr(d["layer"], k)) for k in shared)
+        for d in ins)
+    lay = layers[0]
+    stages = [
+        ("add_rmsnorm", lambda d: mm.add_rmsnorm(x, x, d["layer"].input_norm, c.rms_norm_eps), 0),
+        ("mx_linear qkv", lambda d: mm.mx_linear(x, d["layer"].qkv, d["layer"].qkv_scale),
+         _bytes(lay.qkv) + _bytes(lay.qkv_scale)),
+        ("qk_norm_rope_kv_index_insert", lambda d: mm.qk_norm_rope_kv_index_insert(
+            d["qkv"], meta.positions, meta.slot_mapping, meta.index_slot_mapping, d["layer"].q_norm,
+            d["layer"].k_norm, d["layer"].index_q_norm, d["layer"].index_k_norm, d["cache"].kv, d["cache"].index,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.rms_norm_eps,
+            c.sparse_num_index_heads, c.sparse_index_dim), 0),
+        ("index_topk", lambda d: mm.index_topk(d["iq"], d["cache"].index, meta.block_table, meta.seq_lens,
+                                               meta.query_len, c.sparse_topk_blocks), 0),
+        ("sparse_attention_decode", lambda d: mm.sparse_attention_decode(
+            d["q"], d["cache"].kv, meta.block_table, meta.seq_lens, d["ids"], meta.query_len, 1.0, 1.0), 0),
+        # The fused op's form of the two stages above: score pass, then attention selecting in-kernel.
+        ("index + attention, fused form", lambda d: kernel_stages().index_sparse_attention(
+            d["q"], d["iq"], d["cache"].kv, d["cache"].index, meta.block_table, meta.seq_lens, meta.query_len,
+            c.sparse_topk_blocks, 1.0, 1.0), 0),
+        ("mx_linear o_proj", lambda d: mm.mx_linear(d["attn"], d["layer"].o_proj, d["layer"].o_proj_scale),
+         _bytes(lay.o_proj) + _bytes(lay.o_proj_scale)),
+        ("route", lambda d: mm.route(x, d["layer"].gate, d["layer"].gate_bias, c.num_experts_per_tok,
+                                     c.routed_scaling_factor), _bytes(lay.gate)),
+        ("moe_experts", lambda d: mm.moe_experts(
+            x, d["e"], d["w"], d["layer"].w13, d["layer"].w13_scale, d["layer"].w2, d["layer"].w2_scale,
+            *(getattr(d["layer"], k) for k in shared), c.num_local_experts, c.swiglu_alpha, c.swiglu_limit),
+         expert_bytes),
     ]
-    return [(name, _time(fn, graph=True), nbytes) for name, fn, nbytes in stages]
+    return [(name, _time(lambda: fn(ins[0]), graph=True),
+             _time(lambda: [fn(d) for d in ins], graph=True) / len(ins), nbytes) for name, fn, nbytes in stages]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
-    ap.add_argument("--stages", action="store_true", help="also time each vocabulary op alone (first context)")
+    ap.add_argument("--stages", action="store_true", help="also time each stage: alone, and per call in a chain of the layer copies (first context)")
     ap.add_argument("--layout", choices=("kernel", "words", "tiled", "canonical"), default="kernel",
                     help="weights: weights.to_kernel_layout (kernel: the mxfp4_mma / mxfp8_mma layouts), the same "
                          "without them (MXFP4 as words), tiled, or the checkpoint's")
@@ -294,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
                 if args.stages and ctx == contexts[0]:
-                    for name, us, nbytes in stage_breakdown(layers[0], caches[0], meta):
-                        rate = f", {nbytes / (us * 1e-6) / 1e12:.2f} TB/s of weights" if nbytes else ""
-                        print(f"    stage {name:30s} {us:8.1f} us{rate}", flush=True)
+                    for name, alone, chained, nbytes in stage_breakdown(layers, caches, meta):
+                        rate = (f" ({nbytes / (alone * 1e-6) / 1e12:.2f} / {nbytes / (chained * 1e-6) / 1e12:.2f} "
+                                f"TB/s of weights)") if nbytes else ""
+                        print(f"    stage {name:30s} alone {alone:6.1f} us, in a chain {chained:6.1f} us{rate}",
+                              flush=True)
         del layers
         if args.compile:
             torch._dynamo.reset()  # compiled chains may hold this format's layers

@@ -74,3 +74,32 @@ def test_bench_subcommand_is_dispatched(monkeypatch):
     monkeypatch.setitem(sys.modules, "minimax_ops.bench", fake)
     assert main(["bench", "--tokens", "1,2"]) == 0
     assert seen["argv"] == ["--tokens", "1,2"]
+
+
+def test_bench_counts_the_bytes_of_the_routing_it_times():
+    """bench.chain_bytes reads each chained layer's own expert and KV-block choices (one eager unfused
+    run): a chain of two copies of one layer routes the second copy from the first one's output, and
+    the bytes are the mean of step_bytes over those two routings."""
+    import statistics
+    from minimax_ops import bench
+    from minimax_ops.cache import allocate_caches, build_step
+    from minimax_ops.config import preset
+    from minimax_ops.model import MiniMaxM3DecoderLayer
+    from minimax_ops.weights import random_layer_weights
+    cfg = preset("tiny")
+    g = torch.Generator().manual_seed(5)
+    w = random_layer_weights(cfg, 1, linear_format="mxfp8", expert_format="mxfp4", generator=g)
+    layers = [MiniMaxM3DecoderLayer(cfg, w, 1), MiniMaxM3DecoderLayer(cfg, w, 1)]
+    caches = allocate_caches(cfg, 16, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, generator=g)
+    caches = [caches[1], caches[1].clone()]
+    meta = build_step([40, 9, 70], 1, block_size=cfg.sparse_block_size, num_blocks=16, generator=g)
+    x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    with bench._StepChoices() as seen:
+        h, r = layers[0](x, res, meta.positions, caches[0], meta, True)
+        layers[1](h, r, meta.positions, caches[1], meta, True)
+    assert [tuple(i.shape) for i in seen.ids] == [(meta.num_tokens, cfg.num_experts_per_tok)] * 2
+    assert len(seen.blocks) == 2
+    want = statistics.mean(bench.step_bytes(layer, cache, meta, ids, blocks)
+                           for layer, cache, ids, blocks in zip(layers, caches, seen.ids, seen.blocks))
+    assert bench.chain_bytes(layers, caches, x, res, meta) == want
