@@ -73,7 +73,9 @@ def test_conditional_exit_path_keeps_walking():
                                         ("IMAD.WIDE R8, R1, 0x4, R2", (8, 9)), ("LDG.E.128 R12, desc[UR4][R2.64]",
                                                                                 (12, 13, 14, 15)),
                                         ("STS.128 [R8], R12", ()), ("ISETP.GE.AND P5, PT, R1, R2, PT", ()),
-                                        ("F2FP.BF16.F32.PACK_AB R7, R1, R2", (7,))])
+                                        ("F2FP.BF16.F32.PACK_AB R7, R1, R2", (7,)),
+                                        ("SHFL.BFLY PT, R3, R2, 0x1, 0x1f", (3,)),
+                                        ("HMMA.16816.F32.BF16 R4, R8, R12, R4", (4, 5, 6, 7))])
 def test_written_registers(text, regs):
     assert written_registers(text) == regs
 

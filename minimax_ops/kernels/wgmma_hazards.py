@@ -77,15 +77,17 @@ def written_registers(text: str) -> tuple[int, ...]:
     base = opcode.split(".")[0]
     if base in _NO_DEST or base.startswith("HGMMA"):
         return ()
-    first = rest.split(",")[0].strip()
-    m = _REG.match(first)
+    operands = [o.strip() for o in rest.split(",")]
+    if len(operands) > 1 and re.match(r"^!?U?P(T|\d+)$", operands[0]):
+        operands = operands[1:]  # a predicate written first (SHFL, ATOMG): the register comes next
+    m = _REG.match(operands[0])
     if not m:
         return ()
     parts = opcode.split(".")
     width = 1
-    if "128" in parts or (base == "LDSM" and "4" in parts):
+    if "128" in parts or (base == "LDSM" and "4" in parts) or (base in ("HMMA", "IMMA") and "F32" in parts):
         width = 4
-    elif "64" in parts or "WIDE" in parts or (base == "LDSM" and "2" in parts):
+    elif "64" in parts or "WIDE" in parts or (base == "LDSM" and "2" in parts) or base in ("HMMA", "IMMA"):
         width = 2
     r = int(m.group(1))
     return tuple(range(r, r + width))
