@@ -165,7 +165,8 @@ def _linear_spec(fmt: int, cfg: GemvConfig, split_mode: int, split_pow2: int, pt
 
 
 def _linear_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[KernelSpec]:
-    """Every (format, shape) the heuristic picks; split launches in both reduce modes. Tiled: the
+    """Every (format, shape) the heuristic picks; split launches with the fused reduction (which
+    stands for SPLIT_PARTIALS: its partials' stores, then the last split's sum). Tiled: the
     real-size shapes in the layouts weights.py produces (MXFP4 as words)."""
     specs, seen = [], set()
     formats = (FMT_MXFP4, FMT_MXFP4_WORDS) if ptx else (FMT_BF16, FMT_MXFP8, FMT_MXFP4, FMT_MXFP4_WORDS)
@@ -178,12 +179,11 @@ def _linear_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list[Ker
                 continue
             iters = k // (cfg.block_k * cfg.k_chunks)
             split = triton.cdiv(iters, triton.cdiv(iters, max(1, min(cfg.split_k, iters))))
-            modes = [SPLIT_NONE] if split == 1 else [SPLIT_FUSED, SPLIT_PARTIALS]
-            for mode in modes:
-                key = (fmt, dataclasses.replace(cfg, split_k=1), mode, triton.next_power_of_2(split))
-                if key not in seen:
-                    seen.add(key)
-                    specs.append(_linear_spec(fmt, cfg, mode, triton.next_power_of_2(split), ptx, tiled, pdl))
+            mode = SPLIT_NONE if split == 1 else SPLIT_FUSED
+            key = (fmt, dataclasses.replace(cfg, split_k=1), mode, triton.next_power_of_2(split))
+            if key not in seen:
+                seen.add(key)
+                specs.append(_linear_spec(fmt, cfg, mode, triton.next_power_of_2(split), ptx, tiled, pdl))
     return specs
 
 
@@ -194,7 +194,6 @@ def aot_specs() -> list[KernelSpec]:
     (the fused layer's) and the tiled ones without PDL HIP only; the fused split-K reduction
     (SPLIT_FUSED: the partials' stores, then the last split's sum) stands for SPLIT_PARTIALS (the
     stores alone). None with PTX and tiled: tiled weights decode portably."""
-    specs = (_linear_specs(ptx=False)
-             + [dataclasses.replace(s, targets=("hip",)) for s in _linear_specs(ptx=False, tiled=True)]
-             + _linear_specs(ptx=True, pdl=True) + _linear_specs(ptx=False, tiled=True, pdl=True))
-    return [s for s in specs if s.constexprs["SPLIT_MODE"] != SPLIT_PARTIALS]
+    return (_linear_specs(ptx=False)
+            + [dataclasses.replace(s, targets=("hip",)) for s in _linear_specs(ptx=False, tiled=True)]
+            + _linear_specs(ptx=True, pdl=True) + _linear_specs(ptx=False, tiled=True, pdl=True))
