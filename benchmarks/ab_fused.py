@@ -29,10 +29,12 @@ import statistics
 
 import torch
 
-from minimax_ops.bench import _time, build_layers, copy_bandwidth, layer_caches, layer_chain, touched_bytes
+from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
+
+tiles_mod = tiles
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -46,11 +48,12 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO")
+_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO", "QKV", "OPROJ")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
 _BASE_TWO_GROUPS = moe_mma._two_groups
+_BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.linear_tiles}
 
 
 def _set_mxfp4_tiles(w13: str | None, w2: str | None) -> None:
@@ -102,6 +105,23 @@ def _set_two_groups(spec: str | None) -> None:
     moe_mma._two_groups = two.get(spec, _BASE_TWO_GROUPS)
 
 
+def _set_gemv_tiles(module, spec: str | None) -> None:
+    """QKV / OPROJ: fixed mxfp8_mma tiles for the qkv GEMV (qkv_mma's) or mx_linear's mma GEMVs (o_proj
+    in the layer), PTX launches only; None: the heuristic's."""
+    base = _BASE_LINEAR_TILES[module]
+    if not spec:
+        module.linear_tiles = base
+        return
+    warps, depth, split, cap = map(int, spec.split("/"))
+
+    def fixed(n, k, device, fp8, tiles=None):
+        t, ptx = base(n, k, device, fp8, tiles)
+        if tiles is None and fp8 and ptx:
+            t = tiles_mod.MmaLinearTiles(warps, depth, 0, split, cap)
+        return t, ptx
+    module.linear_tiles = fixed
+
+
 class _Env:
     """A variant's environment variables and knobs, for the duration of a with block."""
 
@@ -128,6 +148,8 @@ class _Env:
         _set_fp8_linear_tiles(knobs["LIN"])
         _set_router_tiles(knobs["ROUTER"])
         _set_two_groups(knobs["TWO"])
+        _set_gemv_tiles(qkv_mma, knobs["QKV"])
+        _set_gemv_tiles(linear_mma, knobs["OPROJ"])
 
 
 def _compiled(kernels) -> dict:
@@ -190,7 +212,7 @@ def main() -> None:
             residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
 
             fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
-            nbytes = touched_bytes(layers[0], caches[0], meta, x)
+            nbytes = chain_bytes(layers, caches, x, residual, meta)
             ref = fused()[0].float()
             times = {name: [] for name, _ in variants}
             expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,
