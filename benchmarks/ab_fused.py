@@ -184,6 +184,26 @@ def timeline(fn) -> list[tuple[str, float, float]]:
     return [(e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev]
 
 
+def layer_cases(experts: str, tokens: list[int], context: int, count: int):
+    """Yields (format, tokens, layers, caches, step metadata, x, residual) for each format and step size, as
+    the benchmark builds them: ``count`` real-size sparse MoE layers of each format (kernel layouts) on one
+    set of caches, one-token requests at ``context``."""
+    device = torch.device("cuda")
+    cfg = preset("real")
+    caches, blocks = layer_caches(cfg, count, max(tokens), context, device)
+    gen = torch.Generator().manual_seed(0)
+    for fmt in experts.split(","):
+        layers = build_layers(cfg, fmt, count, "kernel", gen, device)
+        for n in tokens:
+            meta = build_step([context - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
+                              device=device, generator=gen)
+            x = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
+            residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
+            yield fmt, n, layers, caches, meta, x, residual
+        del layers
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", required=True)
@@ -196,55 +216,42 @@ def main() -> None:
                     help="time a graph of this many consecutive layers (as the benchmark's --layers); us per layer")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
-    device = torch.device("cuda")
-    cfg = preset("real")
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    caches, blocks = layer_caches(cfg, args.layers, max(tokens), args.context, device)
-    gen = torch.Generator().manual_seed(0)
-    for fmt in args.experts.split(","):
-        layers = build_layers(cfg, fmt, args.layers, "kernel", gen, device)
-        for n in tokens:
-            meta = build_step([args.context - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
-                              device=device, generator=gen)
-            x = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
-            residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
-
-            fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
-            nbytes = chain_bytes(layers, caches, x, residual, meta)
-            ref = fused()[0].float()
-            times = {name: [] for name, _ in variants}
-            expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,
-                              qkv_mma._qkv_norm_rope_insert_kernel)
-            for r in range(args.rounds):
-                for name, env in variants:
-                    with _Env(env):
-                        seen = _compiled(expert_kernels)
-                        times[name].append(_time(fused, graph=True) / args.layers)
-                        if r == 0:
-                            new = [v for k, v in _compiled(expert_kernels).items() if k not in seen]
-                            print(f"  {name}: new kernels (name, registers, spills): {new}", flush=True)
-                        err = ((fused()[0].float() - ref).norm() / ref.norm()).item()
-                        if err > 2e-2:
-                            print(f"  !! {name}: output differs from the first variant's by {err:.3g}")
-            unf = _time(unfused, graph=True) / args.layers
-            print(f"\n{fmt} tokens {n} ctx {args.context}, {args.layers} layer(s) a graph, us per layer: "
-                  f"{nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, unfused graph {unf:.1f} us")
-            print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
-            for name, ts in times.items():
-                med = statistics.median(ts)
-                print(f"  {name:24s} {med:9.1f} {' '.join(f'{t:.1f}' for t in ts):>24s} "
-                      f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x", flush=True)
-            if args.timeline:
-                for name, env in variants:
-                    with _Env(env):
-                        rows = timeline(fused)
-                    print(f"  timeline {name} (us: start, end, duration)")
-                    for kname, t0, t1 in rows:
-                        print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
-        del layers
-        torch.cuda.empty_cache()
+    for fmt, n, layers, caches, meta, x, residual in layer_cases(args.experts, tokens, args.context, args.layers):
+        fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
+        nbytes = chain_bytes(layers, caches, x, residual, meta)
+        ref = fused()[0].float()
+        times = {name: [] for name, _ in variants}
+        expert_kernels = (moe_mma._mma_w13_kernel, moe_mma._mma_w2_kernel, linear_mma._mma_linear_kernel,
+                          qkv_mma._qkv_norm_rope_insert_kernel)
+        for r in range(args.rounds):
+            for name, env in variants:
+                with _Env(env):
+                    seen = _compiled(expert_kernels)
+                    times[name].append(_time(fused, graph=True) / args.layers)
+                    if r == 0:
+                        new = [v for k, v in _compiled(expert_kernels).items() if k not in seen]
+                        print(f"  {name}: new kernels (name, registers, spills): {new}", flush=True)
+                    err = ((fused()[0].float() - ref).norm() / ref.norm()).item()
+                    if err > 2e-2:
+                        print(f"  !! {name}: output differs from the first variant's by {err:.3g}")
+        unf = _time(unfused, graph=True) / args.layers
+        print(f"\n{fmt} tokens {n} ctx {args.context}, {args.layers} layer(s) a graph, us per layer: "
+              f"{nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, unfused graph {unf:.1f} us")
+        print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {name:24s} {med:9.1f} {' '.join(f'{t:.1f}' for t in ts):>24s} "
+                  f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x", flush=True)
+        if args.timeline:
+            for name, env in variants:
+                with _Env(env):
+                    rows = timeline(fused)
+                print(f"  timeline {name} (us: start, end, duration)")
+                for kname, t0, t1 in rows:
+                    print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
 
 
 if __name__ == "__main__":

@@ -67,38 +67,3 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     assert torch.equal(kv_rows[untouched].view(torch.uint8), ref_rows[untouched].view(torch.uint8))
     written = ((kv_rows[slots].float() - ref_rows[slots].float()).norm() / ref_rows[slots].float().norm()).item()
     assert written < (6e-2 if kv_dtype == torch.float8_e4m3fn else 1e-2)
-
-
-def test_fused_layer_runs_the_input_norm_inside_the_qkv_kernel(monkeypatch):
-    """mma-layout weights and a step of two one-token requests: the fused layer runs the input norm
-    inside the qkv kernel (qkv_mma.add_rmsnorm_qkv_norm_rope_insert launches no norm kernel; only
-    the post-attention norm does) and matches the reference."""
-    monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
-    monkeypatch.setenv("MINIMAX_OPS_NORM_FOLD_TOKENS", "2")
-    from minimax_ops.kernels import norm, qkv_mma
-    inside, norms = [], []
-    real_inside, real_norm = qkv_mma.add_rmsnorm_qkv_norm_rope_insert, norm.add_rmsnorm
-    monkeypatch.setattr(qkv_mma, "add_rmsnorm_qkv_norm_rope_insert",
-                        lambda *a, **k: inside.append(1) or real_inside(*a, **k))
-    monkeypatch.setattr(qkv_mma, "add_rmsnorm", lambda *a, **k: norms.append("qkv") or real_norm(*a, **k))
-    cfg = preset("tiny").replace(hidden_size=128)  # (the mma layouts want K a multiple of 128)
-    g = torch.Generator().manual_seed(12)
-    w = random_layer_weights(cfg, 1, linear_format="mxfp8", expert_format="mxfp4", generator=g)
-    caches = allocate_caches(cfg, 16, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, generator=g)
-    cache = caches[1]
-    meta = build_step([40, 9], 1, block_size=cfg.sparse_block_size, num_blocks=16, generator=g)
-    x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w, mma=True), 1)
-    assert layer.qkv.dim() == 3, "qkv was not laid out as mxfp8_mma blocks"
-    ref_cache = cache.clone()
-    want, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
-    out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)
-    assert inside == [1] and norms == [], "the input norm ran as its own kernel"
-    assert torch.isfinite(out).all() and ((out.float() - want).norm() / want.norm()).item() < 3e-2
-    assert ((out_res.float() - want_res).norm() / want_res.norm()).item() < 1e-2
-    slots = meta.slot_mapping[meta.slot_mapping >= 0]
-    bs = cfg.sparse_block_size
-    got_rows = cache.kv.permute(0, 2, 1, 3).reshape(-1, cache.kv.shape[1], cache.kv.shape[3])[slots].float()
-    want_rows = ref_cache.kv.permute(0, 2, 1, 3).reshape(-1, cache.kv.shape[1], cache.kv.shape[3])[slots].float()
-    assert ((got_rows - want_rows).norm() / want_rows.norm()).item() < 6e-2

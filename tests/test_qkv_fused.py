@@ -5,8 +5,7 @@ of both caches), and against the fp32 reference with bf16 / fp8 tolerances.
 On CPU the kernels run under the Triton interpreter (the portable block product, head_dim / 16 row
 blocks a program); on CUDA through the inline PTX with the tiles given (tiles whose row blocks make
 one head-wide segment) or, at head_dim 128, the heuristic's. Inputs are fresh random non-zero
-values; steps of 1 and 3 tokens, the 3-token ones with a padding row (slot -1). The input norm
-inside the kernel (add_rmsnorm_qkv_norm_rope_insert) against the norm kernel then the one kernel.
+values; steps of 1 and 3 tokens, the 3-token ones with a padding row (slot -1).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA, dequantize, quantize, to_mma_layout
-from minimax_ops.kernels import norm, qkv_mma
+from minimax_ops.kernels import qkv_mma
 from minimax_ops.kernels.linear_mma import mma_linear
 from minimax_ops.kernels.mx_linear import mx_linear
 from minimax_ops.kernels.qk_norm_rope import qk_norm_rope_insert, qkv_width
@@ -183,89 +182,3 @@ def test_bad_inputs_name_the_argument(device):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "h": a["h"].float()}, a["kv"], a["index"], kw)
     with pytest.raises(ValueError, match="index_slot_mapping, index_q_norm"):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "islots": None}, a["kv"], a["index"], kw)
-
-
-def _norm_inputs(n, hidden, device, seed, fp32_weight):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(n, hidden, generator=gen) * 2 + 0.1).bfloat16().to(device)
-    residual = (torch.randn(n, hidden, generator=gen) + 0.2).bfloat16().to(device)
-    weight = torch.randn(hidden, generator=gen) * 0.3
-    return x, residual, (weight if fp32_weight else weight.bfloat16()).to(device)
-
-
-NORM_CASES = [  # (format, tokens, K splits, sparse, fp32 norm weight)
-    ("mxfp8", 1, 4, True, False), ("mxfp8", 2, 1, False, True), ("mxfp4", 2, 4, True, True),
-    ("mxfp4", 1, 1, True, False),
-]
-
-
-@pytest.mark.parametrize("fmt,n,split,sparse,fp32_weight", NORM_CASES,
-                         ids=[f"{c[0]}-n{c[1]}-split{c[2]}-{'sparse' if c[3] else 'dense'}-w{'32' if c[4] else '16'}"
-                              for c in NORM_CASES])
-def test_input_norm_inside_the_kernel(fmt, n, split, sparse, fp32_weight, device, monkeypatch):
-    """add_rmsnorm_qkv_norm_rope_insert with the norm inside the one kernel (no norm launch; steps of
-    up to 2 tokens here) against add_rmsnorm then the one kernel: the residual bit for bit, q / index_q /
-    both caches within bf16 / fp8 noise (each program sums the row's squares itself), and the reference
-    fed the norm's h."""
-    monkeypatch.setenv("MINIMAX_OPS_NORM_FOLD_TOKENS", "2")
-    a, dense_w, kw = _case(SMALL, sparse, n, 256, fmt, FP8, FP8, device, seed=40 + n * 10 + split)
-    x, residual, weight = _norm_inputs(n, 256, device, seed=n + split, fp32_weight=fp32_weight)
-    tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, split)
-    h, want_res = norm.add_rmsnorm(x, residual, weight, EPS)
-    kv2, index2 = a["kv"].clone(), None if a["index"] is None else a["index"].clone()
-    want = _run(qkv_mma.qkv_norm_rope_insert, {**a, "h": h}, kv2, index2, kw, tiles=tiles)
-    kv1, index1 = a["kv"].clone(), None if a["index"] is None else a["index"].clone()
-    _forbid_two_kernels(monkeypatch)
-
-    def no_norm_launch(*args, **kwargs):
-        raise AssertionError("launched the norm kernel")
-    monkeypatch.setattr(qkv_mma, "add_rmsnorm", no_norm_launch)
-    q, index_q, res = qkv_mma.add_rmsnorm_qkv_norm_rope_insert(
-        x, residual, weight, a["w"], a["s"], a["positions"], a["slots"], a["islots"], a["q_norm"], a["k_norm"],
-        a["iq_norm"], a["ik_norm"], kv1, index1, **kw, tiles=tiles)
-    _same_bytes(res, want_res, "residual")
-    assert rel_err(q, want[0]) < 1e-2
-    if sparse:
-        assert rel_err(index_q, want[1]) < 1e-2
-        assert rel_err(index1.float(), index2.float()) < 2e-2
-    else:
-        assert index_q is None
-    assert rel_err(kv1.float(), kv2.float()) < 2e-2
-    _check_reference(q, index_q, kv1, index1, {**a, "h": h}, dense_w, kw, sparse)
-
-
-@pytest.mark.parametrize("why", ["tokens", "switch"])
-def test_input_norm_kernel_where_not_inside(why, device, monkeypatch):
-    """Steps of more tokens than the rule's (2 here), and MINIMAX_OPS_NORM_FOLD_TOKENS=0, launch the
-    norm kernel first: the results are add_rmsnorm's then the one kernel's, bit for bit."""
-    n = 3 if why == "tokens" else 1
-    monkeypatch.setenv("MINIMAX_OPS_NORM_FOLD_TOKENS", "2" if why == "tokens" else "0")
-    a, _, kw = _case(SMALL, True, n, 256, "mxfp8", FP8, FP8, device, seed=77)
-    x, residual, weight = _norm_inputs(n, 256, device, seed=78, fp32_weight=False)
-    tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, 4)
-    h, want_res = norm.add_rmsnorm(x, residual, weight, EPS)
-    kv2, index2 = a["kv"].clone(), a["index"].clone()
-    want = _run(qkv_mma.qkv_norm_rope_insert, {**a, "h": h}, kv2, index2, kw, tiles=tiles)
-    kv1, index1 = a["kv"].clone(), a["index"].clone()
-    calls = []
-    monkeypatch.setattr(qkv_mma, "add_rmsnorm", lambda *args, **kwargs: calls.append(1) or norm.add_rmsnorm(
-        *args, **kwargs))
-    q, index_q, res = qkv_mma.add_rmsnorm_qkv_norm_rope_insert(
-        x, residual, weight, a["w"], a["s"], a["positions"], a["slots"], a["islots"], a["q_norm"], a["k_norm"],
-        a["iq_norm"], a["ik_norm"], kv1, index1, **kw, tiles=tiles)
-    assert calls == [1]
-    _same_results((q, index_q), want, (kv1, index1), (kv2, index2))
-    _same_bytes(res, want_res, "residual")
-
-
-def test_input_norm_bad_inputs_name_the_argument(device):
-    a, _, kw = _case(SMALL, True, 1, 256, "mxfp8", FP8, FP8, device, seed=3)
-    x, residual, weight = _norm_inputs(1, 256, device, seed=4, fp32_weight=False)
-    args = (a["w"], a["s"], a["positions"], a["slots"], a["islots"], a["q_norm"], a["k_norm"], a["iq_norm"],
-            a["ik_norm"], a["kv"], a["index"])
-    with pytest.raises(ValueError, match="residual: expected"):
-        qkv_mma.add_rmsnorm_qkv_norm_rope_insert(x, residual[:, :128], weight, *args, **kw)
-    with pytest.raises(ValueError, match="weight: expected"):
-        qkv_mma.add_rmsnorm_qkv_norm_rope_insert(x, residual, weight[:128], *args, **kw)
-    with pytest.raises(ValueError, match="qkv_weight: expected"):
-        qkv_mma.add_rmsnorm_qkv_norm_rope_insert(x, residual, weight, *args, **{**kw, "num_heads": 6})

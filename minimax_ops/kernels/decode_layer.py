@@ -11,9 +11,7 @@ Off NVIDIA sm_90+ the flag is ignored (the same kernels run unchained).
 
 ``kernel_stages()`` has the call signatures of the vocabulary ops of ops/stages.py, so the one layer
 chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / RoPE / insert pair it
-offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow) and
-``add_rmsnorm_qkv_norm_rope_insert`` (the input norm inside that kernel too, in steps of a token or
-two), and in
+offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), and in
 place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
 memory); the chain takes each when offered. Inputs were checked by the fused op before the first launch.
@@ -46,11 +44,6 @@ def _mx_linear(x, weight, scale, out_fp32=False):
 def _qkv_norm_rope_insert(*args, **kwargs):
     # The qkv GEMV and the qk norm / RoPE / cache insert in one kernel where the weights allow it.
     return qkv_mma.qkv_norm_rope_insert(*args, **kwargs, pdl=True)
-
-
-def _add_rmsnorm_qkv_norm_rope_insert(*args, **kwargs):
-    # The input norm too, inside the qkv kernel, in steps of a token or two (qkv_mma).
-    return qkv_mma.add_rmsnorm_qkv_norm_rope_insert(*args, **kwargs, pdl=True)
 
 
 def _route(h, gate, gate_bias, top_k, scaling):
@@ -109,7 +102,6 @@ def kernel_stages() -> SimpleNamespace:
 
     return SimpleNamespace(
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
-        add_rmsnorm_qkv_norm_rope_insert=_add_rmsnorm_qkv_norm_rope_insert,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, mlp=_mlp)

@@ -24,7 +24,6 @@ from .aot import KernelSpec
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          prefetch_step, preload_first, preloads, stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
-from .norm import add_rmsnorm_columns
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
 
@@ -34,18 +33,13 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr = False, norm=None, NORM: tl.constexpr = False,
-                       BLOCK_H: tl.constexpr = 1):
+                       PRELOAD: tl.constexpr = False):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
     columns of out complete (one split: every program; else the last to arrive), so a caller can
     run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads).
-    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks).
-    NORM: x is the input norm of the previous kernel's output, made here after the wait: ``norm`` =
-    (src, residual, norm weight, residual out, x as bf16, src / residual / residual-out / x row
-    strides, hidden, eps); each program normalises whole rows (the norm's sums) and stores x for
-    its K split's columns only, program (0, 0) the residual (norm.add_rmsnorm_columns)."""
+    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks)."""
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
@@ -64,12 +58,6 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
         gdc_wait()
         gdc_launch_dependents()
-    if NORM:
-        src, res, norm_w, res_out, x_bf16, stride_src, stride_res, stride_res_out, stride_x16, hidden, eps = norm
-        first_program = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-        add_rmsnorm_columns(src, res, norm_w, x_bf16, res_out, M, stride_src, stride_res, stride_x16, stride_res_out,
-                            hidden, eps, kb_begin * 64, (kb_begin + kb_split) * 64, first_program, BLOCK_H)
-        tl.debug_barrier()  # the program's x columns, stored by all its threads, read back by all
     d, g, c, e = fragment_index(NW, DEPTH)
     d1, g1, c1, e1 = fragment_index(NW, 1)
     n_out = (tl.program_id(0) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)

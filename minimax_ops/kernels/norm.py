@@ -15,36 +15,6 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 @triton.jit
-def _residual_rstd(x_row, res_row, res_out_row, cols, mask, hidden, eps, store_residual, HAS_RESIDUAL: tl.constexpr):
-    """One row (all its columns: the norm needs the row's sum of squares): with HAS_RESIDUAL the
-    residual x + res rounded to res_out's dtype, stored where ``store_residual`` (a scalar) holds and
-    normalised as stored (as the next layer will see it). Returns (the row as fp32, its rstd)."""
-    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(res_out_row.dtype.element_ty)
-        tl.store(res_out_row + cols, summed, mask=mask & store_residual)
-        x = summed.to(tl.float32)
-    return x, tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-
-
-@triton.jit
-def add_rmsnorm_columns(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr, n_rows, stride_x, stride_res, stride_h,
-                        stride_res_out, hidden, eps, col_lo, col_hi, store_residual, BLOCK_H: tl.constexpr):
-    """add_rmsnorm of rows 0 .. n_rows - 1, storing h for columns [col_lo, col_hi) only (a GEMV
-    program's K range: qkv_mma's input-norm prologue) and the residual where ``store_residual``.
-    The weight is read after each row's sums, so a row and the weight are not both held in full."""
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    mine = mask & (cols >= col_lo) & (cols < col_hi)
-    for row in range(0, n_rows):  # (a decode step's few rows: int32 offsets)
-        x, rstd = _residual_rstd(x_ptr + row * stride_x, res_ptr + row * stride_res,
-                                 res_out_ptr + row * stride_res_out, cols, mask, hidden, eps, store_residual, True)
-        w = tl.load(w_ptr + cols, mask=mine, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * stride_h + cols, (x * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty), mask=mine)
-
-
-@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
@@ -56,8 +26,14 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
-    x, rstd = _residual_rstd(x_ptr + row * stride_x, res_ptr + row * stride_res, res_out_ptr + row * stride_res_out,
-                             cols, mask, hidden, eps, row >= 0, HAS_RESIDUAL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
+        # Normalise what was stored (the bf16 residual), as the next layer will see it.
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     tl.store(h_ptr + row * stride_h + cols, (x * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,24 +62,18 @@ def _check_weight(weight: torch.Tensor, hidden: int) -> None:
         raise ValueError(f"weight: expected bfloat16 or float32, got {weight.dtype}")
 
 
-def check_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-    """add_rmsnorm's arguments (shared with the kernels that run it as a prologue)."""
-    check_rows("x", x)
-    n, hidden = x.shape
-    check_rows("residual", residual, hidden)
-    if residual.shape[0] != n:
-        raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
-    _check_weight(weight, hidden)
-
-
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
     x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
     """
-    check_add_rmsnorm(x, residual, weight)
+    check_rows("x", x)
     n, hidden = x.shape
+    check_rows("residual", residual, hidden)
+    if residual.shape[0] != n:
+        raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
+    _check_weight(weight, hidden)
     h = torch.empty_like(x)
     res_out = torch.empty_like(x)
     if n == 0:

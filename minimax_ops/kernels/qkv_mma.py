@@ -20,7 +20,6 @@ program: its per-row arithmetic does not depend on how many, so the bits still m
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -33,10 +32,10 @@ from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program,
 from .mma_decode import mma_operands, preload_first, preloads
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
-from .norm import add_rmsnorm, check_add_rmsnorm, check_rows
+from .norm import check_rows
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
                            segment_launch, segment_signature)
-from .tiles import NORM_FOLD_MAX_TOKENS, MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
+from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -51,17 +50,11 @@ def _qkv_norm_rope_insert_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
-        PRELOAD: tl.constexpr, src_ptr, res_ptr, norm_w_ptr, res_out_ptr, x16_ptr, stride_src, stride_res,
-        stride_res_out, norm_eps, NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+        PRELOAD: tl.constexpr):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
-    (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time. NORM: x
-    (x_ptr, and x16_ptr as bf16) is made from the previous layer's output src and the residual by
-    the input norm, in each program after its wait (mma_linear_program's ``norm``)."""
-    norm = (src_ptr, res_ptr, norm_w_ptr, res_out_ptr, x16_ptr, stride_src, stride_res, stride_res_out, 2 * stride_xm,
-            k_blocks * 64, norm_eps)
+    (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time."""
     done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD,
-                              norm, NORM, BLOCK_H)
+                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
     if done:
         tl.debug_barrier()  # the segment's columns, stored by all warps, read back by all
         for t0 in range(0, M, SEG_TOKENS):
@@ -100,25 +93,6 @@ def seg_tokens(m: int) -> int:
     return min(MAX_TOKENS, triton.next_power_of_2(max(m, 1)))
 
 
-# The keyword arguments both wrappers pass on to qk_norm_rope's launch.
-_HEAD_ARGS = ("num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "eps", "index_heads", "index_dim",
-              "k_scale", "v_scale")
-
-
-def _plan(x: torch.Tensor, qkv_weight, qkv_scale, tiles: MmaLinearTiles | None, args: dict):
-    """(checked weight, its width, the one-kernel (tiles, PTX, FP8) or None, the head keyword
-    arguments) of a qkv step on rows like x; ``args``: the wrapper's arguments (locals())."""
-    kw = {name: args[name] for name in _HEAD_ARGS}
-    m, k = x.shape
-    lw = check_weight("qkv_weight", qkv_weight, qkv_scale, k, x.device)
-    width = qkv_width(kw["num_heads"], kw["num_kv_heads"], kw["head_dim"], kw["index_heads"], kw["index_dim"])
-    if lw.n != width:
-        raise ValueError(f"qkv_weight: expected {width} output rows for these head counts, got {lw.n}")
-    fp8 = lw.layout.code == FMT_MXFP8_MMA
-    plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, kw["head_dim"], x.device, tiles)
-    return lw, width, None if plan is None else (*plan, fp8), kw
-
-
 def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: torch.Tensor | None,
                          positions: torch.Tensor, slot_mapping: torch.Tensor, index_slot_mapping: torch.Tensor | None,
                          q_norm: torch.Tensor, k_norm: torch.Tensor, index_q_norm: torch.Tensor | None,
@@ -137,8 +111,16 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
     CUDA sm_90+ only, ignored elsewhere. ``tiles`` overrides the GEMV's tile heuristic as in
     linear_mma.mma_linear (tests, tuning; mma layouts only)."""
     check_rows("h", h)
-    m = h.shape[0]
-    lw, width, plan, kw = _plan(h, qkv_weight, qkv_scale, tiles, locals())
+    m, k = h.shape
+    lw = check_weight("qkv_weight", qkv_weight, qkv_scale, k, h.device)
+    width = qkv_width(num_heads, num_kv_heads, head_dim, index_heads, index_dim)
+    if lw.n != width:
+        raise ValueError(f"qkv_weight: expected {width} output rows for these head counts, got {lw.n}")
+    fp8 = lw.layout.code == FMT_MXFP8_MMA
+    plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device, tiles)
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
+              v_scale=v_scale)
     if plan is None:  # the two kernels
         if tiles is not None and lw.layout.mma:
             qkv = mma_linear(h, qkv_weight, qkv_scale, lw.layout.code, torch.bfloat16, tiles=tiles, pdl=pdl)
@@ -148,73 +130,22 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
                                    index_k_norm, kv_cache, index_cache, pdl=pdl, **kw)
     launch = segment_launch(m, h.device, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
                             index_k_norm, kv_cache, index_cache, **kw)
-    _launch(h, None, eps, qkv_weight, qkv_scale, width, plan, launch, pdl)
-    return launch.q, launch.index_q
-
-
-def norm_inside(n_tokens: int) -> bool:
-    """Whether a qkv step of n_tokens runs the input norm inside its one kernel: steps of 1 ..
-    tiles.NORM_FOLD_MAX_TOKENS tokens, or 1 .. MINIMAX_OPS_NORM_FOLD_TOKENS where that is set (read
-    at every call, so A/B runs switch it between rounds; 0: never)."""
-    limit = os.environ.get("MINIMAX_OPS_NORM_FOLD_TOKENS")
-    return 1 <= n_tokens <= (NORM_FOLD_MAX_TOKENS if limit is None else int(limit))
-
-
-def add_rmsnorm_qkv_norm_rope_insert(
-        x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
-        qkv_scale: torch.Tensor | None, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        index_slot_mapping: torch.Tensor | None, q_norm: torch.Tensor, k_norm: torch.Tensor,
-        index_q_norm: torch.Tensor | None, index_k_norm: torch.Tensor | None, kv_cache: torch.Tensor,
-        index_cache: torch.Tensor | None, *, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-        rope_theta: float, eps: float, index_heads: int = 0, index_dim: int = 0, k_scale: float = 1.0,
-        v_scale: float = 1.0, pdl: bool = False, tiles: MmaLinearTiles | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``h, residual_out = norm.add_rmsnorm(x, residual, norm_weight, eps)``, then
-    ``qkv_norm_rope_insert(h, ...)`` (same arguments after norm_weight): returns (q, index_q,
-    residual_out). One kernel where qkv_norm_rope_insert's is one and ``norm_inside`` says so: each
-    program normalises the step's whole rows after its wait (every program needs their sums of
-    squares: rows of 16 tokens would be re-read from L2 by every program) and keeps the columns of
-    its K split; no norm launch, no wait on it. Otherwise the norm kernel first."""
-    check_add_rmsnorm(x, residual, norm_weight)
-    m = x.shape[0]
-    _, width, plan, kw = _plan(x, qkv_weight, qkv_scale, tiles, locals())
-    if plan is None or not norm_inside(m):
-        h, res_out = add_rmsnorm(x, residual, norm_weight, eps, pdl=pdl)
-        q, index_q = qkv_norm_rope_insert(h, qkv_weight, qkv_scale, positions, slot_mapping, index_slot_mapping,
-                                          q_norm, k_norm, index_q_norm, index_k_norm, kv_cache, index_cache, pdl=pdl,
-                                          tiles=tiles, **kw)
-        return q, index_q, res_out
-    launch = segment_launch(m, x.device, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
-                            index_k_norm, kv_cache, index_cache, **kw)
-    h = torch.empty_like(x)  # each program's K columns of the normed rows, as its GEMV reads them
-    res_out = torch.empty_like(x)
-    _launch(h, (x, residual, norm_weight, res_out), eps, qkv_weight, qkv_scale, width, plan, launch, pdl)
-    return launch.q, launch.index_q, res_out
-
-
-def _launch(h: torch.Tensor, norm: tuple | None, eps: float, qkv_weight, qkv_scale, width: int, plan, launch,
-            pdl: bool) -> None:
-    """One launch of _qkv_norm_rope_insert_kernel; ``norm`` = (x, residual, norm weight, residual
-    out): h is made in the kernel (NORM) rather than read."""
-    m, k = h.shape
     if m == 0:
-        return
-    t, ptx, fp8 = plan
+        return launch.q, launch.index_q
+    t, ptx = plan
     w, s = mma_operands("qkv_weight", qkv_weight, qkv_scale)
     x32 = aligned_x(h)
     qkv = torch.empty(m, width, dtype=torch.bfloat16, device=h.device)
     split, part, counters = split_buffers(h.device, launch.segments, t.split, m, width, qkv)
     pdl = pdl and pdl_supported(h.device)
-    src, res, norm_w, res_out = norm if norm is not None else (h, h, h, h)
     _qkv_norm_rope_insert_kernel[(launch.segments, split)](
         x32, w, s, qkv, part, counters if counters is not None else s, m, width, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), qkv.stride(0), *launch.args,
-        src_ptr=src, res_ptr=res, norm_w_ptr=norm_w, res_out_ptr=res_out, x16_ptr=x32.view(torch.bfloat16),
-        stride_src=src.stride(0), stride_res=res.stride(0), stride_res_out=res_out.stride(0), norm_eps=float(eps),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m), PRELOAD=preload_first(m),
-        NORM=norm is not None, BLOCK_H=triton.next_power_of_2(k) if norm is not None else 1, num_warps=t.num_warps,
+        num_warps=t.num_warps,
         num_stages=1, launch_pdl=pdl, **register_cap(t))
+    return launch.q, launch.index_q
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -224,13 +155,8 @@ _GEMV_SIG = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "qkv_ptr": "*bf16
              "stride_sb": "i32", "stride_qkv": "i32"}
 
 
-_NORM_SIG = {"src_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "x16_ptr": "*bf16", "stride_src": "i32",
-             "stride_res": "i32", "stride_res_out": "i32", "norm_eps": "fp32"}
-
-
 def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_t: str | None,
-          tokens: int, norm_w_t: str | None = None) -> KernelSpec:
-    """norm_w_t: the input norm inside (NORM), its weight's pointer type; None: h read."""
+          tokens: int) -> KernelSpec:
     heads, kv_heads, index_heads, dim = shape[:4]
     n = qkv_width(heads, kv_heads, dim, index_heads if idx_t else 0, dim)
     t = mma_linear_tiles(n, k, 132, fp8)
@@ -239,13 +165,9 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
                 PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens))
     name = (f"qkv_norm_rope_insert_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-            f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}"
-            + (f"_norm{norm_w_t[1:]}" if norm_w_t else ""))
-    norm = {"NORM": norm_w_t is not None, "BLOCK_H": triton.next_power_of_2(k) if norm_w_t else 1}
-    return KernelSpec(_qkv_norm_rope_insert_kernel,
-                      {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t), **_NORM_SIG,
-                       "norm_w_ptr": norm_w_t or "*bf16"},
-                      {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens, **norm},
+            f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
+    return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
+                      {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens},
                       num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (), name=name,
                       max_registers=t.max_registers)
 
@@ -253,7 +175,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
 def aot_specs() -> list[KernelSpec]:
     """The real model (qkv + index 9856 x 6144, both formats, fp8 caches; one and MAX_TOKENS tokens),
     plain and as a PDL dependent, with the inline-PTX decode (CUDA: mma layouts are laid out only
-    where it runs), plus its dense layers (9216 x 6144) and bf16 caches, and the input norm inside; the portable decode at the
+    where it runs), plus its dense layers (9216 x 6144) and bf16 caches; the portable decode at the
     tiny preset's shape (K = 256: split) for every target: MXFP4 with each pairing of cache types, MXFP8
     (its emulated decode the slowest to compile; the epilogue is the same code) with one."""
     tiny, real = AOT_SHAPES
@@ -265,8 +187,4 @@ def aot_specs() -> list[KernelSpec]:
     specs += [_spec(tiny, 256, False, False, False, kv_t, idx_t, 4)
               for kv_t, idx_t in ((bf16_t, fp8_t), (fp8_t, bf16_t), (fp8_t, None))]
     specs.append(_spec(tiny, 256, True, False, False, bf16_t, fp8_t, 4))
-    # The input norm inside: the real MXFP8 qkv of one-token steps (its launch in the fused layer), and
-    # the portable decode at the tiny shape with an fp32 norm weight.
-    specs += [_spec(real, 6144, True, True, True, fp8_t, fp8_t, 1, norm_w_t="*bf16"),
-              _spec(tiny, 256, False, False, False, fp8_t, fp8_t, 2, norm_w_t="*fp32")]
     return specs

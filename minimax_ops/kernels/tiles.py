@@ -193,11 +193,6 @@ _MMA_EXPERT_TILES = {
 _MMA_LINEAR_TILES = {False: (8, 4, 0, 0), True: (8, 1, 0, 80)}
 _MMA_LINEAR_WARPS_PER_SM = 18
 _MMA_LINEAR_MAX_SPLIT = 8
-# Steps of at most this many tokens run the input norm inside the qkv kernel (qkv_mma: every program
-# normalises the step's whole rows, re-reading them from L2; more rows would cost more than the launch).
-# 0 (never) until an H200 A/B inside the layer decides (BENCHMARKS.md); MINIMAX_OPS_NORM_FOLD_TOKENS=2
-# turns it on for steps of one or two tokens.
-NORM_FOLD_MAX_TOKENS = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,23 +55,18 @@ def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv
     """Input norm, the qkv projection and the qk norm / RoPE / cache insert -> (q, index_q or None,
     residual); index_slot_mapping None: a dense layer. A kernel namespace (``ops``) may offer the
     projection and the insert as one step, ``qkv_norm_rope_insert`` (the signature of
-    kernels/qkv_mma.py's), and the input norm with them, ``add_rmsnorm_qkv_norm_rope_insert``; the
-    vocabulary has three ops."""
-    sparse = index_slot_mapping is not None
-    with_norm = getattr(mm, "add_rmsnorm_qkv_norm_rope_insert", None) if mm is not MM else None
-    one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
-    if with_norm is not None or one_step is not None:
-        kw = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-                  rope_theta=c.rope_theta, eps=c.eps, k_scale=c.k_scale, v_scale=c.v_scale,
-                  **(dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}))
-        rest = (w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"],
-                w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache)
-        if with_norm is not None:
-            return with_norm(x, residual, w["input_norm"], *rest, **kw)
-        h, residual = mm.add_rmsnorm(x, residual, w["input_norm"], c.eps)
-        q, index_q = one_step(h, *rest, **kw)
-        return q, index_q, residual
+    kernels/qkv_mma.py's); the vocabulary has two ops."""
     h, residual = mm.add_rmsnorm(x, residual, w["input_norm"], c.eps)
+    sparse = index_slot_mapping is not None
+    one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
+    if one_step is not None:
+        index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
+        q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
+                              w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
+                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, **index,
+                              k_scale=c.k_scale, v_scale=c.v_scale)
+        return q, index_q, residual
     qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
     if sparse:
         q, index_q = mm.qk_norm_rope_kv_index_insert(

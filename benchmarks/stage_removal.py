@@ -1,0 +1,97 @@
+"""Upper bounds of what folding a stage of the fused layer away could save: the fused layer timed with a
+stage taken out (H200, real-size sparse MoE layers, a graph of --layers consecutive layers as the
+benchmark builds them). Numerics are wrong by design: a removed norm passes its input through, a removed
+router or indexer + attention returns its first call's output (per layer, so later layers still run).
+
+    PYTHONPATH=$PWD python3 benchmarks/stage_removal.py [--experts mxfp4] [--tokens 1] [--layers 4] [--timeline]
+
+Prints, per case, each variant's median us per layer over 3 alternating rounds, what it saves against the
+full layer and its ratio to the unfused graph; with --timeline the full layer's kernels in one replay of a
+two-layer graph (start, end, duration, time since the previous kernel's end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from minimax_ops.bench import _time, copy_bandwidth, layer_chain
+from minimax_ops.kernels import decode_layer
+
+sys.path.insert(0, "benchmarks")
+from ab_fused import layer_cases, timeline  # noqa: E402
+
+_NORM, _ROUTE, _STAGES = decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages
+_STATE = {"calls": 0, "remove": set(), "route": {}, "attention": {}}
+VARIANTS = {"full layer": set(), "input norm": {"input"}, "post-attention norm": {"post"},
+            "both norms": {"input", "post"}, "router": {"route"}, "both norms and the router": {"input", "post", "route"},
+            "indexer + attention": {"attention"}}
+
+
+def _norm(x, residual, weight, eps):
+    which = "input" if _STATE["calls"] % 2 == 0 else "post"  # a layer calls the input norm, then the post norm
+    _STATE["calls"] += 1
+    return (x, residual) if which in _STATE["remove"] else _NORM(x, residual, weight, eps)
+
+
+def _first_call(kind, key, fn, *args):
+    if kind not in _STATE["remove"]:
+        return fn(*args)
+    if key not in _STATE[kind]:
+        _STATE[kind][key] = fn(*args)
+    return _STATE[kind][key]
+
+
+def _route(h, gate, bias, top_k, scaling):
+    return _first_call("route", gate.data_ptr(), _ROUTE, h, gate, bias, top_k, scaling)
+
+
+def _stages():
+    ns = _STAGES()
+    attention = ns.index_sparse_attention
+
+    def index_sparse_attention(q, index_q, kv_cache, *args):
+        return _first_call("attention", kv_cache.data_ptr(), attention, q, index_q, kv_cache, *args)
+    ns.index_sparse_attention = index_sparse_attention
+    return ns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", default="mxfp4")
+    ap.add_argument("--tokens", default="1")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--timeline", action="store_true")
+    args = ap.parse_args()
+    decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages = _norm, _route, _stages
+    print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth(torch.device('cuda')) / 1e12:.2f} TB/s", flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for fmt, n, layers, caches, meta, x, residual in layer_cases(args.experts, tokens, args.context, args.layers):
+        fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
+        times = {name: [] for name in VARIANTS}
+        for _ in range(3):
+            for name, remove in VARIANTS.items():
+                _STATE["remove"] = remove
+                times[name].append(_time(fused, graph=True) / args.layers)
+        _STATE["remove"] = set()
+        unf = _time(unfused, graph=True) / args.layers
+        full = statistics.median(times["full layer"])
+        print(f"\n{fmt}, {n} token(s), {args.context} context: unfused graph {unf:.1f} us per layer")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {name:28s} {med:7.1f} us ({' '.join(f'{t:.1f}' for t in ts)})  saves {full - med:5.1f}"
+                  f"  {unf / med:.3f}x", flush=True)
+        if args.timeline:
+            print("  timeline of a two-layer graph (us: start, end, duration, since the previous end)")
+            prev = 0.0
+            for kname, t0, t1 in timeline(layer_chain(layers[:2], caches[:2], x, residual, meta, fused=True)):
+                print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f} {t1 - prev:6.1f}  {kname[:60]}")
+                prev = t1
+
+
+if __name__ == "__main__":
+    main()

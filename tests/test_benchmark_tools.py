@@ -1,0 +1,76 @@
+"""The GPU benchmark tools in benchmarks/ import on any machine (ab_fused imported a helper bench.py had
+dropped, unnoticed until a device run), and their CPU-side pieces do what they say: A/B variant parsing,
+the knobs that patch one GEMV's tiles and restore them, the stage-removal hooks."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def tools(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    yield lambda name: importlib.import_module(name)
+    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("name", ["ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention",
+                                  "sweep_kernels"])
+def test_benchmark_scripts_import(tools, name):
+    assert callable(tools(name).main)
+
+
+def test_ab_variants_parse(tools):
+    ab = tools("ab_fused")
+    assert ab.parse_variants("base;q:QKV=8/1/6/96,X=1;") == [("base", {}), ("q", {"QKV": "8/1/6/96", "X": "1"})]
+
+
+def test_ab_gemv_knobs_patch_one_gemv_and_restore(tools, monkeypatch):
+    """QKV= replaces the qkv GEMV's tiles only (qkv_mma's), OPROJ= mx_linear's mma GEMV's only; both come
+    back after the variant. (PTX forced on, as on the GPU the knobs apply to.)"""
+    ab = tools("ab_fused")
+    from minimax_ops.kernels import linear_mma, qkv_mma
+    monkeypatch.setattr(linear_mma, "use_ptx", lambda device: True)
+    cpu = torch.device("cpu")
+    base_q = qkv_mma.linear_tiles(9856, 6144, cpu, True)
+    base_o = linear_mma.linear_tiles(6144, 8192, cpu, True)
+    with ab._Env({"QKV": "8/1/6/96"}):
+        t, ptx = qkv_mma.linear_tiles(9856, 6144, cpu, True)
+        assert ptx and (t.num_warps, t.depth, t.split, t.max_registers) == (8, 1, 6, 96)
+        assert linear_mma.linear_tiles(6144, 8192, cpu, True) == base_o
+    with ab._Env({"OPROJ": "8/2/4/128"}):
+        t, _ = linear_mma.linear_tiles(6144, 8192, cpu, True)
+        assert (t.depth, t.split, t.max_registers) == (2, 4, 128)
+        assert qkv_mma.linear_tiles(9856, 6144, cpu, True) == base_q
+    assert qkv_mma.linear_tiles(9856, 6144, cpu, True) == base_q
+    assert linear_mma.linear_tiles(6144, 8192, cpu, True) == base_o
+
+
+def test_stage_removal_hooks(tools, monkeypatch):
+    """A layer's first norm call is the input norm, its second the post norm: each is passed through only
+    when removed; a removed router returns its first call's result for that gate."""
+    sr = tools("stage_removal")
+    calls = []
+    monkeypatch.setattr(sr, "_NORM", lambda x, r, w, eps: calls.append(eps) or ("normed", r))
+    monkeypatch.setitem(sr._STATE, "calls", 0)
+    monkeypatch.setitem(sr._STATE, "remove", {"post"})
+    assert sr._norm("x", "r", None, 1) == ("normed", "r")  # input norm runs
+    assert sr._norm("o", "r", None, 2) == ("o", "r")  # post norm removed
+    assert sr._norm("x", "r", None, 3) == ("normed", "r")  # the next layer's input norm
+    assert calls == [1, 3]
+    routed = []
+    monkeypatch.setattr(sr, "_ROUTE", lambda h, gate, *a: routed.append(h) or (h, gate))
+    monkeypatch.setitem(sr._STATE, "remove", {"route"})
+    monkeypatch.setitem(sr._STATE, "route", {})
+    gate = torch.zeros(2)
+    assert sr._route("h1", gate, None, 4, 2.0) == ("h1", gate)
+    assert sr._route("h2", gate, None, 4, 2.0) == ("h1", gate)
+    assert routed == ["h1"]
