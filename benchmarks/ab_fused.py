@@ -34,8 +34,6 @@ from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
 
-tiles_mod = tiles
-
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
     """"name:A=1,B=2;name2:..." -> [(name, {A: 1, B: 2}), ...]; a name alone sets nothing."""
@@ -114,10 +112,10 @@ def _set_gemv_tiles(module, spec: str | None) -> None:
         return
     warps, depth, split, cap = map(int, spec.split("/"))
 
-    def fixed(n, k, device, fp8, tiles=None):
-        t, ptx = base(n, k, device, fp8, tiles)
-        if tiles is None and fp8 and ptx:
-            t = tiles_mod.MmaLinearTiles(warps, depth, 0, split, cap)
+    def fixed(n, k, device, fp8, override=None):
+        t, ptx = base(n, k, device, fp8, override)
+        if override is None and fp8 and ptx:
+            t = tiles.MmaLinearTiles(warps, depth, 0, split, cap)
         return t, ptx
     module.linear_tiles = fixed
 
