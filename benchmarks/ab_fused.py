@@ -182,10 +182,11 @@ def timeline(fn) -> list[tuple[str, float, float]]:
     return [(e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev]
 
 
-def layer_cases(experts: str, tokens: list[int], context: int, count: int):
-    """Yields (format, tokens, layers, caches, step metadata, x, residual) for each format and step size, as
+def run_cases(experts: str, tokens: list[int], context: int, count: int, case) -> None:
+    """Calls case(format, tokens, layers, caches, step metadata, x, residual) for each format and step size, as
     the benchmark builds them: ``count`` real-size sparse MoE layers of each format (kernel layouts) on one
-    set of caches, one-token requests at ``context``."""
+    set of caches, one-token requests at ``context``. A format's layers are freed before the next is built
+    (nothing outside ``case`` holds them)."""
     device = torch.device("cuda")
     cfg = preset("real")
     caches, blocks = layer_caches(cfg, count, max(tokens), context, device)
@@ -197,9 +198,16 @@ def layer_cases(experts: str, tokens: list[int], context: int, count: int):
                               device=device, generator=gen)
             x = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
             residual = torch.randn(n, cfg.hidden_size, device=device).to(torch.bfloat16)
-            yield fmt, n, layers, caches, meta, x, residual
+            case(fmt, n, layers, caches, meta, x, residual)
         del layers
         torch.cuda.empty_cache()
+
+
+def print_medians(times: dict[str, list[float]], width: int, tail) -> None:
+    """One line per variant: its median us, its rounds, then tail(median)."""
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:{width}s} {med:9.1f} {' '.join(f'{t:.1f}' for t in ts):>24s} {tail(med)}", flush=True)
 
 
 def main() -> None:
@@ -217,7 +225,8 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    for fmt, n, layers, caches, meta, x, residual in layer_cases(args.experts, tokens, args.context, args.layers):
+
+    def case(fmt, n, layers, caches, meta, x, residual):
         fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
         nbytes = chain_bytes(layers, caches, x, residual, meta)
         ref = fused()[0].float()
@@ -239,10 +248,7 @@ def main() -> None:
         print(f"\n{fmt} tokens {n} ctx {args.context}, {args.layers} layer(s) a graph, us per layer: "
               f"{nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, unfused graph {unf:.1f} us")
         print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"  {name:24s} {med:9.1f} {' '.join(f'{t:.1f}' for t in ts):>24s} "
-                  f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x", flush=True)
+        print_medians(times, 24, lambda med: f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x")
         if args.timeline:
             for name, env in variants:
                 with _Env(env):
@@ -250,6 +256,8 @@ def main() -> None:
                 print(f"  timeline {name} (us: start, end, duration)")
                 for kname, t0, t1 in rows:
                     print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
+
+    run_cases(args.experts, tokens, args.context, args.layers, case)
 
 
 if __name__ == "__main__":

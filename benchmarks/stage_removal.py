@@ -13,6 +13,7 @@ two-layer graph (start, end, duration, time since the previous kernel's end).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 
@@ -21,8 +22,8 @@ import torch
 from minimax_ops.bench import _time, copy_bandwidth, layer_chain
 from minimax_ops.kernels import decode_layer
 
-sys.path.insert(0, "benchmarks")
-from ab_fused import layer_cases, timeline  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (ab_fused beside this script)
+from ab_fused import print_medians, run_cases, timeline  # noqa: E402
 
 _NORM, _ROUTE, _STAGES = decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages
 _STATE = {"calls": 0, "remove": set(), "route": {}, "attention": {}}
@@ -70,7 +71,8 @@ def main() -> None:
     decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages = _norm, _route, _stages
     print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth(torch.device('cuda')) / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    for fmt, n, layers, caches, meta, x, residual in layer_cases(args.experts, tokens, args.context, args.layers):
+
+    def case(fmt, n, layers, caches, meta, x, residual):
         fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
         times = {name: [] for name in VARIANTS}
         for _ in range(3):
@@ -81,16 +83,16 @@ def main() -> None:
         unf = _time(unfused, graph=True) / args.layers
         full = statistics.median(times["full layer"])
         print(f"\n{fmt}, {n} token(s), {args.context} context: unfused graph {unf:.1f} us per layer")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"  {name:28s} {med:7.1f} us ({' '.join(f'{t:.1f}' for t in ts)})  saves {full - med:5.1f}"
-                  f"  {unf / med:.3f}x", flush=True)
+        print(f"  {'stage removed':28s} {'median us':>9s} {'rounds':>24s} {'saves us':>8s} {'vs unfused':>10s}")
+        print_medians(times, 28, lambda med: f"{full - med:8.1f} {unf / med:9.3f}x")
         if args.timeline:
             print("  timeline of a two-layer graph (us: start, end, duration, since the previous end)")
             prev = 0.0
             for kname, t0, t1 in timeline(layer_chain(layers[:2], caches[:2], x, residual, meta, fused=True)):
                 print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f} {t1 - prev:6.1f}  {kname[:60]}")
                 prev = t1
+
+    run_cases(args.experts, tokens, args.context, args.layers, case)
 
 
 if __name__ == "__main__":
