@@ -8,7 +8,8 @@ Besides environment variables a variant may set the mxfp4_mma expert tiles of ev
 (kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired`` and ``W2=depth/prefetch/split/cap`` (cap:
 ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix), and
 the mxfp8_mma GEMV tiles (qkv, o_proj): ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
-router's tile: ``ROUTER=experts/H``, and ``TWO=1``: two token groups on one expert weight stream for
+router's tile: ``ROUTER=experts/H``, the sparse attention's split launch: ``ATTN=programs per SM/pipeline
+stages``, and ``TWO=1``: two token groups on one expert weight stream for
 MXFP4 too (with an unpaired w13), ``TWO=0``: for no format (MXFP8 too).
 
 Variants alternate round by round (the spread between rounds is the noise floor; the first round of a
@@ -32,7 +33,7 @@ import torch
 from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
-from minimax_ops.kernels import linear_mma, moe_mma, qkv_mma, router, tiles
+from minimax_ops.kernels import attention, linear_mma, moe_mma, qkv_mma, router, tiles
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -46,12 +47,13 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO", "QKV", "OPROJ")
+_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
 _BASE_TWO_GROUPS = moe_mma._two_groups
 _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.linear_tiles}
+_BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
 
 
 def _set_mxfp4_tiles(w13: str | None, w2: str | None) -> None:
@@ -120,6 +122,15 @@ def _set_gemv_tiles(module, spec: str | None) -> None:
     module.linear_tiles = fixed
 
 
+def _set_attention_launch(spec: str | None) -> None:
+    """ATTN: the sparse attention split kernel's programs per SM and pipeline stages (None: the table's)."""
+    attention.SPLIT_LAUNCH.clear()
+    attention.SPLIT_LAUNCH.update(_BASE_SPLIT_LAUNCH)
+    if spec:
+        per_sm, stages = map(int, spec.split("/"))
+        attention.SPLIT_LAUNCH.update(sparse_per_sm=per_sm, num_stages=stages)
+
+
 class _Env:
     """A variant's environment variables and knobs, for the duration of a with block."""
 
@@ -148,6 +159,7 @@ class _Env:
         _set_two_groups(knobs["TWO"])
         _set_gemv_tiles(qkv_mma, knobs["QKV"])
         _set_gemv_tiles(linear_mma, knobs["OPROJ"])
+        _set_attention_launch(knobs["ATTN"])
 
 
 def _compiled(kernels) -> dict:

@@ -1,7 +1,8 @@
 """Launch sweep of the latency-bound middle of a sparse layer: the indexer's score pass, its top-k, and the
 sparse attention (split + merge), alone on one GPU at real size (fp8 KV + index caches).
 
-    PYTHONPATH=$PWD python3 benchmarks/sweep_attention.py [--tokens 1,16] [--context 32768] [--copies 4]
+    PYTHONPATH=$PWD python3 benchmarks/sweep_attention.py [--tokens 1,16] [--context 32768] [--copies 4] \
+        [--parts scores,attention]
 
 Each timed CUDA graph holds one call per cache copy (--copies layers' caches, so L2 never holds what a call
 reads); the median replay over the copies is one call. Variants patch index_topk.SCORE_LAUNCH,
@@ -40,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--parts", default="scores,attention", help="what to sweep: scores, attention or both")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     cfg = preset("real")
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         _set()
         base_scores = scores_all()
         nb = -(-args.context // cfg.sparse_block_size)
-        for ppsm, warps, stages in itertools.product((2, 4, 8), (4, 8), (2, 3)):
+        score_launches = itertools.product((2, 4, 8), (4, 8), (2, 3)) if "scores" in args.parts else ()
+        for ppsm, warps, stages in score_launches:
             _set(score=dict(programs_per_sm=ppsm, num_warps=warps, num_stages=stages))
             try:
                 got = scores_all()
@@ -98,8 +101,8 @@ def main(argv=None) -> int:
             return [attention.index_sparse_attention_decode(q, s, c.kv, meta.block_table, meta.seq_lens, 1, topk,
                                                             1.0, 1.0) for c, s in zip(caches, sc)]
         base_out = attn_ids()
-        for kind, fn in (("ids", attn_ids), ("select", attn_select)):
-            for tile, ppsm, stages in itertools.product((None, 64, 128), (2, 4), (2, 3)):
+        for kind, fn in (("ids", attn_ids), ("select", attn_select)) if "attention" in args.parts else ():
+            for tile, ppsm, stages in itertools.product((None, 64, 128), (2, 4), (2, 3, 4)):
                 _set(split=dict(sparse_per_sm=ppsm, num_stages=stages), tile=tile)
                 try:
                     got = fn()

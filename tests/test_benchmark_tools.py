@@ -54,6 +54,16 @@ def test_ab_gemv_knobs_patch_one_gemv_and_restore(tools, monkeypatch):
     assert linear_mma.linear_tiles(6144, 8192, cpu, True) == base_o
 
 
+def test_ab_attention_knob_patches_split_launch_and_restores(tools):
+    """ATTN= sets the sparse attention split kernel's programs per SM and stages for the variant only."""
+    ab = tools("ab_fused")
+    from minimax_ops.kernels import attention
+    base = dict(attention.SPLIT_LAUNCH)
+    with ab._Env({"ATTN": "3/4"}):
+        assert attention.SPLIT_LAUNCH == {**base, "sparse_per_sm": 3, "num_stages": 4}
+    assert attention.SPLIT_LAUNCH == base
+
+
 def test_stage_removal_hooks(tools, monkeypatch):
     """A layer's first norm call is the input norm, its second the post norm: each is passed through only
     when removed; a removed router returns its first call's result for that gate."""

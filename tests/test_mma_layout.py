@@ -214,6 +214,10 @@ def test_moe_refuses_mixed_or_misaligned_tables(device):
     shifted.copy_(w2)
     with pytest.raises(ValueError, match="16-byte aligned"):
         moe_experts(h, ids, weights, w13.to(device), s13.to(device), shifted, s2.to(device), num_routed_experts=E)
+    t13 = mma_expert_tiles(H, True)
+    bad = dataclasses.replace(t13, split=3)  # 3 splits of H's 4 K blocks
+    with pytest.raises(ValueError, match="tiles: w13's"):
+        moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(bad, mma_expert_tiles(I, False)))
 
 
 def test_kernel_layout_picks_mma_for_sparse_moe_experts():
@@ -336,6 +340,28 @@ def test_routed_experts_take_compacted_token_passes(fmt, shared, device, monkeyp
     monkeypatch.delenv("MINIMAX_OPS_NO_SLOT_TABLE")
     monkeypatch.setenv("MINIMAX_OPS_NO_COMPACT", "1")
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+
+
+@pytest.mark.parametrize("shared", ["separate", "table", "own"])
+def test_shared_expert_takes_a_slot_per_pass(shared, device, monkeypatch):
+    """Steps of more than 8 tokens give the shared expert a slot per 8-token pass (17 tokens: three,
+    the last holding one token), whether it is in the table, merged into the routed launches or in
+    launches of its own, with w13 split over H (the last split of a slot sums only its pass's tokens):
+    the reference, and bit for bit the one slot that streams its passes in turn
+    (MINIMAX_OPS_NO_SHARED_PASSES=1: each token's products are the same whichever program makes them)."""
+    torch.manual_seed(70)
+    n, hidden, inter = 17, 128, 128
+    h = torch.randn(n, hidden, device=device).bfloat16()
+    ids, weights = _routing(n, device)
+    canonical, mma = _tables(device, E + (shared == "table"), shared != "table", 64 if shared == "own" else inter,
+                             "mxfp4", hidden, inter)
+    want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
+    t13 = dataclasses.replace(mma_expert_tiles(hidden, True), split=2, k_chunks=1)  # (2 K blocks: one a split)
+    t2 = mma_expert_tiles(inter, False)
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2
+    monkeypatch.setenv("MINIMAX_OPS_NO_SHARED_PASSES", "1")
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2)))
 
 
 @pytest.mark.parametrize("n, experts, top_k", [(16, 128, 4), (40, 8, 2)])

@@ -106,6 +106,15 @@ def _attention_split_kernel(
         kk = tl.arange(0, BLOCK_TOPK)
         selection = tl.load(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + kk,
                             mask=kk < num_sparse_tiles // TILES_PER_BLOCK, other=-1)
+        repeat = tl.sum(((selection[None, :] == selection[:, None]) & (kk[None, :] < kk[:, None])).to(tl.int32),
+                        axis=1) > 0
+        selection = tl.where(repeat, -1, selection)
+    if not DENSE:
+        # Every selected block's page in one load before the tile loop, whose only loads are then K / V
+        # (their addresses from registers: the pipeliner can buffer them ahead, see SPLIT_LAUNCH).
+        chosen = (selection >= 0) & (selection < nb)
+        pages = tl.load(block_table_ptr + req * stride_bt + selection, mask=chosen, other=-1)
+        selection = tl.where(chosen, selection, -1)
     offs = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -114,14 +123,12 @@ def _attention_split_kernel(
         slot = t // TILES_PER_BLOCK
         if DENSE:
             blk = slot
-        elif SELECT:
-            blk = tl.max(tl.where(kk == slot, selection, -1), axis=0)  # entry `slot` of the registers
-        else:
-            blk = tl.load(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih + slot)
-        ok = (blk >= 0) & (blk < nb)
-        if not DENSE and not SELECT:
-            ok = ok & (tl.sum(((selection == blk) & (kk < slot)).to(tl.int32), axis=0) == 0)
-        page = tl.load(block_table_ptr + req * stride_bt + blk, mask=ok, other=0).to(tl.int64)
+            ok = blk < nb
+            page = tl.load(block_table_ptr + req * stride_bt + blk, mask=ok, other=0).to(tl.int64)
+        else:  # entry `slot` of the registers (-1: past the selection, a repeat or past the last block)
+            blk = tl.max(tl.where(kk == slot, selection, -1), axis=0)
+            ok = blk >= 0
+            page = tl.max(tl.where(kk == slot, pages, 0), axis=0).to(tl.int64)
         in_block = (t % TILES_PER_BLOCK) * BLOCK_N + offs
         valid = ok & (blk * BLOCK_SIZE + in_block < kv_len)
         # Masked-off rows are never read: unwritten cache slots may hold anything (even NaN).
@@ -193,7 +200,8 @@ def _target_programs(device: torch.device, dense: bool) -> int:
     return SPLIT_LAUNCH["dense_per_sm" if dense else "sparse_per_sm"] * num_sms(device)
 
 
-# The split kernel's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, pipeline stages.
+# The split kernel's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, pipeline stages
+# (3 double-buffers a sparse program's K / V tiles, and measured slower than 2 in the layer: BENCHMARKS.md).
 SPLIT_LAUNCH = {"sparse_per_sm": 2, "dense_per_sm": 4, "num_stages": 2}
 
 

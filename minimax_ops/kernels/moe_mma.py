@@ -17,7 +17,8 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
-streams it once unless more than 8 tokens chose it; the shared expert takes every token. With fixed
+streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot per
+pass whose programs run side by side (``_slot``: they read each weight line at about the same time). With fixed
 groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
 and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``). Compacted steps build the
 step's slot table first (one program, expert_slots.build_slot_table: each slot's expert and its
@@ -105,26 +106,44 @@ def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.cons
 
 
 @triton.jit
-def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
-          TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr, SHARED_ONLY: tl.constexpr,
-          COMPACT: tl.constexpr, TABLE: tl.constexpr):
-    """(expert, its slot table row, compact, ranks) of this program's slot: read from the step's slot
-    table (TABLE: routed slots; the shared slot, the grid's last with SHARED_SLOT, has no row and
-    takes every token), or found from the step's ids (``_compacts``)."""
+def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM_ROUTED: tl.constexpr,
+          E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
+          SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, PASS: tl.constexpr):
+    """(expert, its slot table row, compact, first rank, end rank) of this program's slot: read from
+    the step's slot table (TABLE: routed slots), or found from the step's ids (``_compacts``).
+
+    The shared expert (SHARED_SLOT: the grid's last ``shared_slots`` slots; SHARED_ONLY: every slot;
+    shared_slots is 0 in launches without it)
+    has no row and takes every token: with several slots, slot p takes the ranks of pass p (PASS
+    tokens; the last slot the rest), so its passes stream side by side, the programs of one row block
+    adjacent in the launch order, and read each weight line from DRAM once between them (one slot
+    streams its passes one after the other, each from DRAM)."""
+    pass_index = tl.program_id(0) - (tl.num_programs(0) - shared_slots)  # the shared expert's pass, < 0: routed
+    shared = pass_index >= 0  # (shared_slots is 0 without a shared expert)
     if TABLE:
         row_ptr = table_ptr + tl.program_id(0) * stride_table
-        if SHARED_SLOT:
-            shared = tl.program_id(0) == tl.num_programs(0) - 1
-        else:
-            shared = tl.program_id(0) < 0
         expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
         ranks = tl.where(shared, n_tokens, tl.load(row_ptr + 1, mask=shared == 0, other=0))
         compact = n_tokens < 0  # (the rows name the passes' tokens)
     else:
         row_ptr = table_ptr  # (unused)
-        expert = program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, SHARED_SLOT, SHARED_ONLY)
+        if SHARED_ONLY:
+            expert = tl.program_id(0) * 0  # (the launch's one-expert table)
+        else:
+            expert = tl.where(shared, NUM_ROUTED, program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, False, False))
         compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
-    return expert, row_ptr, compact, ranks
+    first = tl.where(shared, pass_index * PASS, 0)
+    ranks = tl.where(shared & (pass_index < shared_slots - 1), first + PASS, ranks)
+    return expert, row_ptr, compact, first, ranks
+
+
+def shared_passes(n_tokens: int, two_groups: bool) -> int:
+    """The shared expert's slots in an n-token step: one per pass of 8 tokens (16 with two token
+    groups a pass), unless MINIMAX_OPS_NO_SHARED_PASSES=1 (one slot streaming its passes in turn;
+    read at every launch: A/B runs switch it between rounds of one process)."""
+    if os.environ.get("MINIMAX_OPS_NO_SHARED_PASSES") == "1":
+        return 1
+    return max(1, triton.cdiv(n_tokens, (2 if two_groups else 1) * TOKENS.value))
 
 
 @triton.jit
@@ -169,7 +188,7 @@ def _store_y(acc, m0, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr
 
 @triton.jit
 def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_ptr, cnt_ptr, table_ptr,
-                    n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table,
+                    n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table, shared_slots,
                     stride_hm, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                     stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
                     NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
@@ -183,21 +202,23 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     tile's splits to finish sums them in order and applies SwiGLU.
 
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
-    slot (the grid's last) needs only h, complete since the router passed its own wait: it streams
+    expert's slots (the grid's last shared_slots, _slot) need only h, complete since the router passed its own wait: it streams
     its weights under the router's tail and waits only before its first store (buffers of this
     step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
     from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
+    STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     if PDL:
         if SHARED_SLOT:
-            if tl.program_id(0) != tl.num_programs(0) - 1:
+            if tl.program_id(0) < tl.num_programs(0) - shared_slots:
                 gdc_wait()
         else:
             gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
-    expert, row_ptr, compact, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED, E_POW2,
-                                            TOPK, K_POW2, SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE)
+    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
+                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
+                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
@@ -211,8 +232,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         kb_split = k_blocks // SPLIT
         kb_begin = tl.program_id(2) * kb_split
         n_steps = kb_split // DEPTH
-        STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        for m0 in range(0, ranks, STEP):
+        for m0 in range(first_rank, ranks, STEP):
             go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact,
                                                                 NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS,
                                                                 TABLE)
@@ -249,7 +269,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                                    NW, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                for m0 in range(0, n_tokens, TOKENS):
+                shared = tl.program_id(0) >= tl.num_programs(0) - shared_slots
+                for m0 in range(first_rank, tl.where(shared, ranks, n_tokens), TOKENS):  # routed: by token
                     tok, i_out = _fragment_out(m0, NW)
                     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                     ok = (col >= 0) & (i_out < inter_e)
@@ -263,7 +284,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
 
 @triton.jit
 def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr,
-                   n_tokens, n_pairs, hidden, inter, inter_shared, stride_table,
+                   n_tokens, n_pairs, hidden, inter, inter_shared, stride_table, shared_slots,
                    stride_am, stride_acol, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                    stride_ysplit, stride_ym, stride_ycol,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
@@ -276,8 +297,10 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
     for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
     from the step's slot table (complete before w13's routed programs passed their wait)."""
-    expert, row_ptr, compact, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, NUM_ROUTED, E_POW2,
-                                            TOPK, K_POW2, SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE)
+    STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
+    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
+                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
+                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
@@ -297,8 +320,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
         gdc_wait()
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
-        STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-        for m0 in range(0, ranks, STEP):
+        for m0 in range(first_rank, ranks, STEP):
             go, both, first, tok_x, col_x, tok_b, col_b = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert,
                                                                         compact, NUM_ROUTED, TOPK, K_POW2,
                                                                         SHARED_ONLY, TWO_GROUPS, TABLE)
@@ -370,10 +392,19 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     ptx = use_ptx(h.device) if t13.ptx is None else t13.ptx
     if not ptx:
         t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
+    for name, t, ks in (("w13", t13, (hidden,)), ("w2", t2, (inter, w13.inter_shared) if shared_separate else (inter,))):
+        if any(k // 64 % (t.split * t.k_chunks) for k in ks):
+            raise ValueError(f"tiles: {name}'s {t.split} splits x {t.k_chunks} blocks a step must divide its "
+                             f"{[k // 64 for k in ks]} K blocks")
+    two = _two_groups(w13.fmt, n, ptx)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
-                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA,
-                  TWO_GROUPS=_two_groups(w13.fmt, n, ptx), COMPACT=compacts())
+                  SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA, TWO_GROUPS=two,
+                  COMPACT=compacts())
+    # ``slots`` counts the shared expert once; the grid gives it a slot per pass (_slot).
+    routed = slots - int(shared_slot or shared_only)
+    shared_slots = shared_passes(n, two) if shared_slot or shared_only else 0
+    slots = routed + shared_slots
     w, s = mma_operands("w13", w13.w, w13.s)
     sw, ss = mma_operands("shared_w13", w13.sw, w13.ss)
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
@@ -386,10 +417,10 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         split, part, counters = 1, a, ids  # (unused pointers)
     preload = preload_first(n)
     table_on = slot_table_on(shared_only, n)
-    table = build_slot_table(ids, slots - int(shared_slot), n_routed, pdl) if table_on else ids
+    table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
     _mma_w13_kernel[(slots, groups, split)](
         h32, ids, w, s, sw, ss, a, part, counters, table, n, n * top_k, inter, w13.inter_shared, hidden // 64,
-        table.stride(0), h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1),
+        table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1),
         ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
@@ -399,7 +430,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
     _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
-        a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0),
+        a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0), shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
         NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
@@ -439,7 +470,7 @@ def aot_specs() -> list[KernelSpec]:
       that the MXFP4 portable ones compile on the same targets."""
     common_sig = {"ids_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "sw_ptr": "*i32", "ss_ptr": "*u8",
                   "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
-                  "stride_table": "i32"}
+                  "stride_table": "i32", "shared_slots": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
     sig13 = {"h_ptr": "*i32", **common_sig, "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
