@@ -344,13 +344,13 @@ def test_routed_experts_take_compacted_token_passes(fmt, shared, device, monkeyp
 
 @pytest.mark.parametrize("shared", ["separate", "table", "own"])
 def test_shared_expert_takes_a_slot_per_pass(shared, device, monkeypatch):
-    """Steps of more than 8 tokens give the shared expert a slot per 8-token pass (17 tokens: three,
-    the last holding one token), whether it is in the table, merged into the routed launches or in
+    """Steps of more than 8 tokens give the shared expert a slot per 8-token pass (9 tokens: two, the
+    last holding one token), whether it is in the table, merged into the routed launches or in
     launches of its own, with w13 split over H (the last split of a slot sums only its pass's tokens):
     the reference, and bit for bit the one slot that streams its passes in turn
     (MINIMAX_OPS_NO_SHARED_PASSES=1: each token's products are the same whichever program makes them)."""
     torch.manual_seed(70)
-    n, hidden, inter = 17, 128, 128
+    n, hidden, inter = 9, 128, 128
     h = torch.randn(n, hidden, device=device).bfloat16()
     ids, weights = _routing(n, device)
     canonical, mma = _tables(device, E + (shared == "table"), shared != "table", 64 if shared == "own" else inter,
