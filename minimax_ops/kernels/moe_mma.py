@@ -37,13 +37,13 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
-from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, program_expert, slot_row_tokens,
+from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
                            slot_weights, swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import mma_expert_tiles, portable_mma_tiles, register_cap
+from .tiles import check_k_steps, mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -106,20 +106,25 @@ def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.cons
 
 
 @triton.jit
+def _shared_pass(shared_slots):
+    """Which pass of the shared expert this program's slot makes: the grid's last ``shared_slots``
+    slots are its (0 in launches without it), routed slots get a negative index."""
+    return tl.program_id(0) - (tl.num_programs(0) - shared_slots)
+
+
+@triton.jit
 def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM_ROUTED: tl.constexpr,
           E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
           SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, PASS: tl.constexpr):
     """(expert, its slot table row, compact, first rank, end rank) of this program's slot: read from
     the step's slot table (TABLE: routed slots), or found from the step's ids (``_compacts``).
 
-    The shared expert (SHARED_SLOT: the grid's last ``shared_slots`` slots; SHARED_ONLY: every slot;
-    shared_slots is 0 in launches without it)
-    has no row and takes every token: with several slots, slot p takes the ranks of pass p (PASS
-    tokens; the last slot the rest), so its passes stream side by side, the programs of one row block
-    adjacent in the launch order, and read each weight line from DRAM once between them (one slot
-    streams its passes one after the other, each from DRAM)."""
-    pass_index = tl.program_id(0) - (tl.num_programs(0) - shared_slots)  # the shared expert's pass, < 0: routed
-    shared = pass_index >= 0  # (shared_slots is 0 without a shared expert)
+    The shared expert's slots (``_shared_pass``; SHARED_ONLY launches have no other) have no row and
+    take every token: slot p the ranks of pass p (PASS tokens; the last slot the rest), so its passes
+    stream side by side, the programs of one row block adjacent in the launch order, reading each
+    weight line at about the same time (one slot would stream its passes one after the other)."""
+    pass_index = _shared_pass(shared_slots)
+    shared = pass_index >= 0
     if TABLE:
         row_ptr = table_ptr + tl.program_id(0) * stride_table
         expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
@@ -130,7 +135,8 @@ def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM
         if SHARED_ONLY:
             expert = tl.program_id(0) * 0  # (the launch's one-expert table)
         else:
-            expert = tl.where(shared, NUM_ROUTED, program_expert(ids_ptr, n_pairs, NUM_ROUTED, E_POW2, False, False))
+            expert = tl.where(shared, NUM_ROUTED, slot_expert(ids_ptr, n_pairs, tl.program_id(0), NUM_ROUTED, E_POW2,
+                                                              False))
         compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
     first = tl.where(shared, pass_index * PASS, 0)
     ranks = tl.where(shared & (pass_index < shared_slots - 1), first + PASS, ranks)
@@ -202,15 +208,15 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     tile's splits to finish sums them in order and applies SwiGLU.
 
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
-    expert's slots (the grid's last shared_slots, _slot) need only h, complete since the router passed its own wait: it streams
-    its weights under the router's tail and waits only before its first store (buffers of this
+    expert's slots (``_shared_pass``) need only h, complete since the router passed its own wait: they
+    stream its weights under the router's tail and wait only before their first store (buffers of this
     step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
     from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     if PDL:
         if SHARED_SLOT:
-            if tl.program_id(0) < tl.num_programs(0) - shared_slots:
+            if _shared_pass(shared_slots) < 0:
                 gdc_wait()
         else:
             gdc_wait()
@@ -269,8 +275,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                                    NW, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                shared = tl.program_id(0) >= tl.num_programs(0) - shared_slots
-                for m0 in range(first_rank, tl.where(shared, ranks, n_tokens), TOKENS):  # routed: by token
+                for m0 in range(first_rank, tl.where(_shared_pass(shared_slots) >= 0, ranks, n_tokens),
+                                TOKENS):  # (routed slots: by token)
                     tok, i_out = _fragment_out(m0, NW)
                     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                     ok = (col >= 0) & (i_out < inter_e)
@@ -392,10 +398,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     ptx = use_ptx(h.device) if t13.ptx is None else t13.ptx
     if not ptx:
         t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
-    for name, t, ks in (("w13", t13, (hidden,)), ("w2", t2, (inter, w13.inter_shared) if shared_separate else (inter,))):
-        if any(k // 64 % (t.split * t.k_chunks) for k in ks):
-            raise ValueError(f"tiles: {name}'s {t.split} splits x {t.k_chunks} blocks a step must divide its "
-                             f"{[k // 64 for k in ks]} K blocks")
+    check_k_steps("w13", t13.split, t13.k_chunks, hidden)
+    check_k_steps("w2", t2.split, t2.k_chunks, inter, *((w13.inter_shared,) if shared_separate else ()))
     two = _two_groups(w13.fmt, n, ptx)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
@@ -420,8 +424,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
     _mma_w13_kernel[(slots, groups, split)](
         h32, ids, w, s, sw, ss, a, part, counters, table, n, n * top_k, inter, w13.inter_shared, hidden // 64,
-        table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1),
-        ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
+        table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        sw.stride(1), ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
         PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),

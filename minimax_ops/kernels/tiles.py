@@ -250,6 +250,14 @@ def register_cap(t: ExpertTiles | MmaLinearTiles) -> dict:
     return {"maxnreg": t.max_registers} if t.max_registers else {}
 
 
+def check_k_steps(name: str, split: int, depth: int, *ks: int) -> None:
+    """An mma-layout kernel streams whole load steps: ``split`` K splits of ``depth`` 64-value blocks a
+    step must divide each K in ``ks`` (else a split streams nothing), or ValueError naming ``name``."""
+    blocks = [k // MMA_K for k in ks]
+    if any(b % (split * depth) for b in blocks):
+        raise ValueError(f"tiles: {name}'s {split} splits x {depth} blocks a step must divide its {blocks} K blocks")
+
+
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
     """The largest power-of-two count <= chunks of BLOCK_K tiles per step that divides K."""
     while chunks > 1 and k % (block_k * chunks):
