@@ -13,6 +13,52 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter re-patches triton.language (inspect.getmembers over tl, tl.tensor, tl.math)
+    at every call of a nested @triton.jit function, though the launch around it patched the same modules
+    already and restores them when it ends: a third of an interpreted expert kernel's time. Inside a
+    launch, a nested call whose language modules are patched already (by the launch, or by a nested call
+    before it, whose patches Triton never restores) skips it; anything else takes Triton's own path.
+    Only the interpreter's speed changes; where its internals differ from what this expects, nothing
+    is patched."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if original is None or executor is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    import triton.language as tl
+    launches: list[list] = []  # per launch in progress: [its language modules, patched yet]
+
+    def langs(fn) -> set[int]:
+        return {id(v) for v in getattr(fn, "__globals__", {}).values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        if launches and launches[-1][1] and langs(fn) <= launches[-1][0]:
+            return interpreter._LangPatchScope()  # patched by the launch, which restores it
+        scope = original(fn)
+        if launches:  # the launch's own call comes first; a nested call's patches last the launch out
+            launches[-1][0] |= langs(fn)
+            launches[-1][1] = True
+        return scope
+
+    run = executor.__call__
+
+    def call(self, *args, **kwargs):
+        launches.append([langs(self.fn), False])
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_language_once_per_launch()
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,12 +18,12 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 def tools(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield lambda name: importlib.import_module(name)
-    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels"):
+    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns"):
         sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("name", ["ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention",
-                                  "sweep_kernels"])
+                                  "sweep_kernels", "read_patterns"])
 def test_benchmark_scripts_import(tools, name):
     assert callable(tools(name).main)
 
@@ -84,3 +84,28 @@ def test_stage_removal_hooks(tools, monkeypatch):
     assert sr._route("h1", gate, None, 4, 2.0) == ("h1", gate)
     assert sr._route("h2", gate, None, 4, 2.0) == ("h1", gate)
     assert routed == ["h1"]
+
+
+@pytest.mark.parametrize("step_major", [False, True])
+def test_read_patterns_kernel_reads_every_word_once(tools, step_major):
+    """Both layouts of the pure-read benchmark cover the buffer exactly once: the XOR of what the
+    programs fold equals the XOR of the whole buffer (a word read twice or missed would change it)."""
+    rp = tools("read_patterns")
+    warps_per_program, programs, steps, depth = 4, 3, 3, 2
+    warps = warps_per_program * programs
+    half = warps * steps * depth * rp.WORDS
+    torch.manual_seed(0)
+    src = torch.randint(0, 2**31 - 1, (2 * half,), dtype=torch.int32)
+    out = torch.zeros(programs * warps_per_program * 32 * 4, dtype=torch.int32)
+    rp._read_kernel[(programs,)](src, out, warps, steps, half, STEP_MAJOR=step_major, DEPTH=depth,
+                                 NW=warps_per_program)
+
+    def xor_all(t):
+        v = t.clone()
+        while v.numel() > 1:
+            if v.numel() % 2:
+                v = torch.cat([v, torch.zeros(1, dtype=v.dtype)])
+            v = v[0::2] ^ v[1::2]
+        return int(v[0])
+    assert xor_all(out) == xor_all(src)
+    assert xor_all(out[: out.numel() // 2]) != 0  # (the fold is not trivially empty)

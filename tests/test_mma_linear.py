@@ -51,7 +51,7 @@ def test_mma_linear_splits_and_depths(fmt, device):
         y = mma_linear(x, mw, ms, FMT_MXFP8_MMA if fmt == "mxfp8" else FMT_MXFP4_MMA, torch.float32, tiles=tiles)
         assert rel_err(y, want) < 1e-5, tiles
         assert (y[4] == 0).all()
-    with pytest.raises(ValueError, match="tiles: 3 splits"):
+    with pytest.raises(ValueError, match="tiles: weight's 3 splits"):
         mma_linear(x, mw, ms, FMT_MXFP4_MMA if fmt == "mxfp4" else FMT_MXFP8_MMA, torch.float32,
                    tiles=MmaLinearTiles(1, 1, 0, 3))
 

@@ -25,7 +25,7 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold
                          prefetch_step, preload_first, preloads, stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import MmaLinearTiles, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
+from .tiles import MmaLinearTiles, check_k_steps, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -111,9 +111,7 @@ def linear_tiles(n: int, k: int, device: torch.device, fp8: bool,
     t = tiles or mma_linear_tiles(n, k, num_sms(device), fp8)
     if not ptx:
         t = portable_mma_tiles(t)
-    blocks = k // MMA_K
-    if blocks % (t.split * t.depth):
-        raise ValueError(f"tiles: {t.split} splits x depth {t.depth} must divide the {blocks} K blocks")
+    check_k_steps("weight", t.split, t.depth, k)
     return t, ptx
 
 

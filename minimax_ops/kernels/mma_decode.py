@@ -38,6 +38,12 @@ import triton.language as tl
 from .mx_decode import bf16_halves, mxfp4_word_pairs, mxfp4_words_ptx
 
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
+# Diagnostic only (wrong numerics): blocks folded into the accumulator with XORs and converts instead of
+# decoded and multiplied, the loads kept; MINIMAX_OPS_DIAG_NO_DECODE=1 (or mxfp4): mxfp4_mma blocks, mxfp8:
+# mxfp8_mma blocks, all: both. Read once per process (benchmarks: what the decode costs).
+_DIAG = os.environ.get("MINIMAX_OPS_DIAG_NO_DECODE", "")
+DIAG_NO_DECODE = tl.constexpr(_DIAG in ("1", "mxfp4", "all"))
+DIAG_NO_DECODE_FP8 = tl.constexpr(_DIAG in ("mxfp8", "all"))
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
 # group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 the lane's 4 biased
@@ -199,9 +205,13 @@ def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8:
     bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s the lane's 4 biased scale
     bytes (uint8, column e byte 4g + e of the block)."""
     if PTX:
-        if FP8:
+        if FP8 and DIAG_NO_DECODE_FP8:
+            acc = acc + (w ^ w_hi ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
+        elif FP8:
             acc = tl.inline_asm_elementwise(MMA8_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 17 + "f,f,f,f",
                                             [w, w_hi, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
+        elif DIAG_NO_DECODE:
+            acc = acc + (w ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
         else:
             acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 13 + "f,f,f,f",
                                             [w, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
