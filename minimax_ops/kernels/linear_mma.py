@@ -169,8 +169,9 @@ AOT_SHAPES = [(64, 128), (9856, 6144), (6144, 8192)]
 
 def aot_specs() -> list[KernelSpec]:
     """Both formats with the heuristic's tiles, as one-token steps launch them: the inline-PTX decode
-    (plain and as a PDL dependent) at every shape for CUDA, the portable one at the small shape
-    everywhere."""
+    (plain and as a PDL dependent) at every shape for CUDA, the portable one at the small shape for
+    AMD, and for CUDA in MXFP4 only (mma layouts exist there only with the PTX decode: the portable
+    path compiled once, as moe_mma's)."""
     sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32", "stride_wb": "i32",
            "stride_sb": "i32", "stride_om": "i32"}
@@ -186,7 +187,7 @@ def aot_specs() -> list[KernelSpec]:
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
                          PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1)),
-                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (),
+                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}", max_registers=t.max_registers))
     return specs

@@ -156,7 +156,7 @@ _GEMV_SIG = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "qkv_ptr": "*bf16
 
 
 def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_t: str | None,
-          tokens: int) -> KernelSpec:
+          tokens: int, targets: tuple = ()) -> KernelSpec:
     heads, kv_heads, index_heads, dim = shape[:4]
     n = qkv_width(heads, kv_heads, dim, index_heads if idx_t else 0, dim)
     t = mma_linear_tiles(n, k, 132, fp8)
@@ -168,7 +168,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
             f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
                       {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens},
-                      num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else (), name=name,
+                      num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else targets, name=name,
                       max_registers=t.max_registers)
 
 
@@ -176,15 +176,17 @@ def aot_specs() -> list[KernelSpec]:
     """The real model (qkv + index 9856 x 6144, both formats, fp8 caches; one and MAX_TOKENS tokens),
     plain and as a PDL dependent, with the inline-PTX decode (CUDA: mma layouts are laid out only
     where it runs), plus its dense layers (9216 x 6144) and bf16 caches; the portable decode at the
-    tiny preset's shape (K = 256: split) for every target: MXFP4 with each pairing of cache types, MXFP8
-    (its emulated decode the slowest to compile; the epilogue is the same code) with one."""
+    tiny preset's shape (K = 256: split) for AMD: MXFP4 with each pairing of cache types, MXFP8 (its
+    emulated decode the slowest to compile; the epilogue is the same code) with one; for CUDA, where
+    the mma layouts exist only with the PTX decode, the first of them alone (the portable code path
+    compiled there once, as moe_mma's)."""
     tiny, real = AOT_SHAPES
     fp8_t, bf16_t = "*fp8e4nv", "*bf16"
     specs = [_spec(real, 6144, fp8, True, pdl, fp8_t, fp8_t, tokens)
              for fp8 in (False, True) for pdl in (False, True) for tokens in (1, MAX_TOKENS)]
     specs += [_spec(real, 6144, True, True, True, fp8_t, None, MAX_TOKENS),
               _spec(real, 6144, True, True, True, bf16_t, bf16_t, MAX_TOKENS)]
-    specs += [_spec(tiny, 256, False, False, False, kv_t, idx_t, 4)
-              for kv_t, idx_t in ((bf16_t, fp8_t), (fp8_t, bf16_t), (fp8_t, None))]
-    specs.append(_spec(tiny, 256, True, False, False, bf16_t, fp8_t, 4))
+    specs += [_spec(tiny, 256, False, False, False, kv_t, idx_t, 4, () if i == 0 else ("hip",))
+              for i, (kv_t, idx_t) in enumerate(((bf16_t, fp8_t), (fp8_t, bf16_t), (fp8_t, None)))]
+    specs.append(_spec(tiny, 256, True, False, False, bf16_t, fp8_t, 4, ("hip",)))
     return specs
