@@ -7,7 +7,7 @@ up stream, DEPTH blocks each), holding the next step's loads while it folds the 
 all of K); ``steps``: the blocks of one step of every warp follow each other (step-major), so the warps
 of a wave read one contiguous region at a time. Prints, per layout and programs per SM: time, MB and TB/s.
 
-    PYTHONPATH=$PWD python3 benchmarks/read_patterns.py [--mb 96] [--steps 24]
+    PYTHONPATH=$PWD python3 benchmarks/read_patterns.py [--mb 200] [--depth 2]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+
+from minimax_ops.bench import _time
 
 WORDS = 128  # 512 B: one mxfp4_mma block
 BLOCK_WORDS = tl.constexpr(WORDS)
@@ -47,36 +49,15 @@ def _read_kernel(src, out, n_warps_total, n_steps, half_words, STEP_MAJOR: tl.co
     tl.store(out + tl.program_id(0) * NW * 32 * 4 + rows[:, None] * 4 + cols[None, :], acc)
 
 
-def _time(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=200.0)
-    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--depth", type=int, default=2)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     nw = 4
     step_bytes = 2 * args.depth * WORDS * 4
-    print(f"layout | programs | programs/SM | steps | us | MB | TB/s")
+    print("layout | programs | programs/SM | steps | us | MB | TB/s")
     for per_sm in (2, 3, 4):
         programs = per_sm * sms
         warps = programs * nw
@@ -84,16 +65,15 @@ def main() -> None:
         half = warps * steps * args.depth * WORDS
         src = torch.randint(0, 2**31 - 1, (2 * half,), dtype=torch.int32, device="cuda")
         out = torch.empty(programs * nw * 32 * 4, dtype=torch.int32, device="cuda")
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
         for step_major in (False, True):
             def run():
                 _read_kernel[(programs,)](src, out, warps, steps, half, STEP_MAJOR=step_major, DEPTH=args.depth,
                                           NW=nw, num_warps=nw, num_stages=1)
-            us = _time(run)
+            us = _time(run, graph=True)
             mb = warps * steps * step_bytes / 1e6
             print(f"{'steps' if step_major else 'rows'} | {programs} | {per_sm} | {steps} | {us:.1f} | {mb:.1f} | "
                   f"{mb / us:.2f}")
-        del src, flush
+        del src
 
 
 if __name__ == "__main__":
