@@ -6,8 +6,9 @@ sparse MoE layer at TP 1, fp8 KV + index caches, as ``python -m minimax_ops benc
 
 Besides environment variables a variant may set the mxfp4_mma expert tiles of every step size
 (kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired`` and ``W2=depth/prefetch/split/cap`` (cap:
-ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix), and
-the mxfp8_mma GEMV tiles (qkv, o_proj): ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
+ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix),
+``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables, the mxfp8_mma GEMV tiles (qkv, o_proj):
+``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
 router's tile: ``ROUTER=experts/H``, the sparse attention's split launch: ``ATTN=programs per SM/pipeline
 stages``, and ``TWO=1``: two token groups on one expert weight stream for
 MXFP4 too (with an unpaired w13), ``TWO=0``: for no format (MXFP8 too).
@@ -47,7 +48,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN")
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
@@ -56,9 +57,9 @@ _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.line
 _BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
 
 
-def _set_mxfp4_tiles(w13: str | None, w2: str | None) -> None:
-    """W13 / W2: the mxfp4_mma expert tiles of every step size (None: the table's)."""
-    for key in ((False, True), (False, False)):
+def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> None:
+    """W13 / W2 (W13F8 / W2F8): the mxfp4_mma (mxfp8_mma) expert tiles of every step size (None: the table's)."""
+    for key in ((fp8, True), (fp8, False)):
         t13, t2, paired = _BASE_EXPERT_TILES[key]
         if w13:
             d, pf, sp, cap, pr = map(int, w13.split("/"))
@@ -153,7 +154,8 @@ class _Env:
 
     @staticmethod
     def _apply(knobs: dict) -> None:
-        _set_mxfp4_tiles(knobs["W13"], knobs["W2"])
+        _set_expert_tiles(knobs["W13"], knobs["W2"])
+        _set_expert_tiles(knobs["W13F8"], knobs["W2F8"], fp8=True)
         _set_fp8_linear_tiles(knobs["LIN"])
         _set_router_tiles(knobs["ROUTER"])
         _set_two_groups(knobs["TWO"])

@@ -176,13 +176,15 @@ def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 
 
-_TILE_CASES = {"mxfp4": ((1, 1, 1, 1), (2, 1, 2, 1), (4, 1, 1, 2), (1, 2, 2, 1)), "mxfp8": ((2, 1, 2, 1), (1, 2, 1, 2))}
+# (w13 split, depth, w2 split, depth, L2 prefetch steps of both: no table uses one, the tiles allow it; PTX only)
+_TILE_CASES = {"mxfp4": ((1, 1, 1, 1, 0), (2, 1, 2, 1, 2), (4, 1, 1, 2, 0), (1, 2, 2, 1, 1)),
+               "mxfp8": ((2, 1, 2, 1, 2), (1, 2, 1, 2, 0))}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 def test_moe_splits_depths_and_padding_rows(device, fmt):
-    """H split of w13 (partials summed by the last split), I split of w2, load depths, a shared
-    expert of another size merged into the routed launches; zero-weight padding rows."""
+    """H split of w13 (partials summed by the last split), I split of w2, load depths, L2 prefetch
+    distances, a shared expert of another size merged into the routed launches; zero-weight padding rows."""
     torch.manual_seed(7)
     n = 5
     h = torch.randn(n, H, device=device).bfloat16()
@@ -193,9 +195,9 @@ def test_moe_splits_depths_and_padding_rows(device, fmt):
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
     fp8 = fmt == "mxfp8"
     base13, base2 = mma_expert_tiles(H, True, fp8=fp8), mma_expert_tiles(I, False, fp8=fp8)
-    for s13, d13, s2, d2 in _TILE_CASES[fmt]:
-        t13 = dataclasses.replace(base13, split=s13, k_chunks=d13, num_warps=2)
-        t2 = dataclasses.replace(base2, split=s2, k_chunks=d2, num_warps=1)
+    for s13, d13, s2, d2, prefetch in _TILE_CASES[fmt]:
+        t13 = dataclasses.replace(base13, split=s13, k_chunks=d13, num_warps=2, num_stages=1 + prefetch)
+        t2 = dataclasses.replace(base2, split=s2, k_chunks=d2, num_warps=1, num_stages=1 + prefetch)
         out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
         assert rel_err(out, want) < 1.5e-2, (t13, t2)
         assert (out[3] == 0).all() and torch.isfinite(out).all()

@@ -169,16 +169,17 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # per program = warps, blocks per load step, L2 prefetch distance in steps, K splits, register cap or 0),
 # then whether w13 streams each K block's gate and up blocks together on one set of x loads (moe_mma's
 # PAIRED: the depth then counts blocks per matrix).
-# mxfp4_mma, from A/B runs inside the fused layer on the H200 (BENCHMARKS.md): w13 paired and no L2
-# prefetch anywhere (the prefetch pointers cost registers, and w2 gained nothing from it); one-token
+# No table prefetches into L2: every A/B of it, in every kernel, measured slower or equal (BENCHMARKS.md);
+# the tiles keep the option (tests run it).
+# mxfp4_mma, from A/B runs inside the fused layer on the H200 (BENCHMARKS.md): w13 paired; one-token
 # steps load 2 blocks a matrix per step and split K in two at 128 registers (480 programs, 4 per SM: all
 # resident at once), larger steps load 2 unsplit at 128 registers; w2 capped at 128 registers (4 programs
-# per SM), 4 blocks a step in one-token steps, 2 in larger ones (both depths for larger steps from the
-# A/B with compacted token passes, BENCHMARKS.md).
-# mxfp8_mma from the H200 sweep: shallow loads, w13 split in two, gate then up.
-_MXFP8_EXPERT_TILES = ((4, 2, 0, 2, 0), (4, 2, 2, 1, 0), False)  # every step size
+# per SM), 2 blocks a step (4 measured slower at one token in the seventeenth session).
+# mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two, gate then
+# up, both kernels at 128 registers (4 programs per SM).
+_MXFP8_EXPERT_TILES = ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False)  # every step size
 _MMA_EXPERT_TILES = {
-    (False, True): ((4, 2, 0, 2, 128), (4, 4, 0, 1, 128), True),
+    (False, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), True),
     (False, False): ((4, 2, 0, 1, 128), (4, 2, 0, 1, 128), True),
     (True, True): _MXFP8_EXPERT_TILES,
     (True, False): _MXFP8_EXPERT_TILES,
