@@ -91,6 +91,20 @@ def _reserve(p, flag, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _copy_step(step, n_steps, n_blocks, gate_w, gate_s, words_at, scales_at, NT: tl.constexpr, DEPTH: tl.constexpr,
+               RING: tl.constexpr):
+    """One commit group: the lane's fragments of step ``step`` (nothing past the last step), gate blocks then
+    up blocks, DEPTH of each, into slots ((step % RING) * 2 + stream) * DEPTH + d of the ring."""
+    on = (tl.zeros([NT, 1], dtype=tl.int32) + step) < n_steps
+    for j in tl.static_range(2 * DEPTH):
+        block = (j // DEPTH) * n_blocks + step * DEPTH + j % DEPTH
+        slot = ((step % RING) * 2 + j // DEPTH) * DEPTH + j % DEPTH
+        _copy(words_at + slot * NT * 16, gate_w + block * 128, on, 16)
+        _copy(scales_at + slot * NT * 4, gate_s + block * 32, on, 4)
+    _per_thread("cp.async.commit_group;", NT)
+
+
+@triton.jit
 def _regs_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr):
     d, g, c, e = fragment_index(NW, DEPTH)
     warp = (tl.program_id(0) * NW + (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32).to(tl.int64)
@@ -119,30 +133,17 @@ def _ring_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, flag, NW: tl.constexpr, 
     n_blocks = n_steps * DEPTH
     gate_w = w_ptr + warp * 2 * n_blocks * 128 + lane * 4  # the lane's 16 bytes of the warp's gate block 0
     gate_s = s_ptr + warp * 2 * n_blocks * 32 + (lane // 4) * 4  # its 4 scale bytes (lane 4g + c: bytes 4g..)
-    # slot j = ((step % RING) * 2 + stream) * DEPTH + d; words then scales, a thread's 16 / 4 bytes each
+    # the ring: every slot's words (16 bytes a thread), then every slot's scales (4 bytes a thread)
     words_at = base + t * 16
     scales_at = base + RING * 2 * DEPTH * NT * 16 + t * 4
     for k in range(RING - 1):  # the first RING - 1 steps
-        for j in tl.static_range(2 * DEPTH):
-            kb = k * DEPTH + j % DEPTH
-            slot = (k * 2 + j // DEPTH) * DEPTH + j % DEPTH
-            on = (tl.zeros([NT, 1], dtype=tl.int32) + k) < n_steps
-            _copy(words_at + slot * NT * 16, gate_w + ((j // DEPTH) * n_blocks + kb) * 128, on, 16)
-            _copy(scales_at + slot * NT * 4, gate_s + ((j // DEPTH) * n_blocks + kb) * 32, on, 4)
-        _per_thread("cp.async.commit_group;", NT)
+        _copy_step(k, n_steps, n_blocks, gate_w, gate_s, words_at, scales_at, NT, DEPTH, RING)
     acc = tl.zeros([NT, 4], dtype=tl.float32)
     acc2 = tl.zeros([NT, 4], dtype=tl.float32)
     fc = tl.arange(0, NT)[:, None] % 4  # c
     e = tl.arange(0, 4)[None, :]
     for k in range(n_steps):
-        ahead = k + RING - 1
-        for j in tl.static_range(2 * DEPTH):
-            kb = ahead * DEPTH + j % DEPTH
-            slot = ((ahead % RING) * 2 + j // DEPTH) * DEPTH + j % DEPTH
-            on = (tl.zeros([NT, 1], dtype=tl.int32) + ahead) < n_steps
-            _copy(words_at + slot * NT * 16, gate_w + ((j // DEPTH) * n_blocks + kb) * 128, on, 16)
-            _copy(scales_at + slot * NT * 4, gate_s + ((j // DEPTH) * n_blocks + kb) * 32, on, 4)
-        _per_thread("cp.async.commit_group;", NT)
+        _copy_step(k + RING - 1, n_steps, n_blocks, gate_w, gate_s, words_at, scales_at, NT, DEPTH, RING)
         _per_thread(_wait_asm(RING - 1), NT)
         now = k % RING
         for dd in tl.static_range(DEPTH):
@@ -164,6 +165,7 @@ def _ring_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, flag, NW: tl.constexpr, 
 
 
 def ring_bytes(ring: int, depth: int, nw: int) -> int:
+    """Shared memory the ring takes: ring steps of 2 * depth blocks, 16 word bytes and 4 scale bytes a thread."""
     return ring * 2 * depth * nw * 32 * (16 + 4)
 
 

@@ -18,12 +18,13 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 def tools(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield lambda name: importlib.import_module(name)
-    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns"):
+    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
+                 "ring_stream"):
         sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("name", ["ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention",
-                                  "sweep_kernels", "read_patterns"])
+                                  "sweep_kernels", "read_patterns", "ring_stream"])
 def test_benchmark_scripts_import(tools, name):
     assert callable(tools(name).main)
 
