@@ -36,15 +36,19 @@ WORDS = 128  # an mxfp4_mma block: 128 int32 words + 32 scale bytes
 SCALES = 32
 NEVER = tl.constexpr(0x5EED)  # the reservation branch's flag: the launch passes anything else
 
-_COPY16 = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.cg.shared.global [$1], [$2], 16;\nmov.b32 $0, 0;\n}")
-_COPY4 = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.ca.shared.global [$1], [$2], 4;\nmov.b32 $0, 0;\n}")
+
+@triton.constexpr_function
+def _copy_asm(nbytes):
+    """cp.async of nbytes (16: through L2 only; 4: the size .cg cannot copy) from $2 to shared $1 where $3."""
+    cache = "cg" if nbytes == 16 else "ca"
+    return (f"{{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p cp.async.{cache}.shared.global [$1], [$2], {nbytes};\n"
+            f"mov.b32 $0, 0;\n}}")
 
 
 @triton.jit
 def _copy(smem, ptrs, on, BYTES: tl.constexpr):
     """cp.async of each row's BYTES (16 or 4) at ptrs [R, 1] into shared address smem [R, 1] where on."""
-    asm: tl.constexpr = _COPY16 if BYTES == 16 else _COPY4
-    tl.inline_asm_elementwise(asm, "=r,r,l,r", [smem, ptrs.to(tl.int64, bitcast=True), on.to(tl.int32)],
+    tl.inline_asm_elementwise(_copy_asm(BYTES), "=r,r,l,r", [smem, ptrs.to(tl.int64, bitcast=True), on.to(tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -112,6 +116,7 @@ def _regs_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, NW: tl.constexpr, DEPTH:
     w_rows = w_ptr + warp * 2 * n_blocks * 128
     s_rows = s_ptr + warp * 2 * n_blocks * 32
     zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
+    # (one token: every lane's x row is x itself, as a pointer per fragment row)
     gate, up = block_stream(zp, zp, w_rows, s_rows, x_ptr + d * 0, x_ptr + d * 0, 0, n_steps, NW, DEPTH, True, 0, False,
                             False, 1, True, n_blocks * 128, n_blocks * 32)
     rows = tl.arange(0, pair_sets(DEPTH) * NW * 32)[:, None]
