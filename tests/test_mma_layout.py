@@ -383,3 +383,105 @@ def test_slot_table_lists_each_experts_tokens_in_order(n, experts, top_k, device
         want[slot, 2:2 + len(pairs)] = torch.tensor([t for t, _ in pairs])
         want[slot, 2 + n:2 + n + len(pairs)] = torch.tensor([k for _, k in pairs])
     assert torch.equal(table, want)
+
+
+# ---- stream-K one-token launches (kernels/moe_mma_stream.py) -------------------------------------------------
+
+
+@pytest.mark.parametrize("programs, tiles_a, steps_a, tiles_b, steps_b", [
+    (528, 48, 48, 192, 48), (528, 96, 24, 384, 24), (5, 8, 4, 16, 4), (40, 3, 4, 4, 6), (7, 0, 1, 5, 3)])
+def test_stream_k_shares_cover_every_unit_once(programs, tiles_a, steps_a, tiles_b, steps_b):
+    """Unit by unit: the programs' shares cover every unit of a list once; the kernels' SEGS and SHARES
+    (list_sizes) are the most tiles a share touches and the widest range of programs, first owner to
+    last, of a tile (empty shares between them included); _arrive's count is each tile's owners."""
+    from minimax_ops.kernels.moe_mma_stream import list_sizes
+    units_a = tiles_a * steps_a
+    for begin, end in ((0, units_a), (units_a, units_a + tiles_b * steps_b), (0, units_a + tiles_b * steps_b)):
+        if end == begin:
+            continue
+        owner = {}
+        tiles_of = {}
+        for p in range(programs):
+            for u in range(begin + p * (end - begin) // programs, begin + (p + 1) * (end - begin) // programs):
+                assert u not in owner
+                owner[u] = p
+                tile = u // steps_a if u < units_a else tiles_a + (u - units_a) // steps_b
+                tiles_of.setdefault(p, set()).add(tile)
+        assert sorted(owner) == list(range(begin, end))
+        sharers = {}
+        for p, tiles in tiles_of.items():
+            for t in tiles:
+                sharers.setdefault(t, set()).add(p)
+        want = (max(len(t) for t in tiles_of.values()), max(max(p) - min(p) + 1 for p in sharers.values()))
+        assert list_sizes(programs, begin, end, tiles_a, steps_a, steps_b) == want
+        for t, owners in sharers.items():  # _arrive: min(last owner - first owner + 1, the tile's units)
+            t_units = [u for u in owner if (u // steps_a if u < units_a else tiles_a + (u - units_a) // steps_b) == t]
+            first, last = (((v - begin + 1) * programs - 1) // (end - begin) for v in (min(t_units), max(t_units)))
+            assert min(last - first + 1, len(t_units)) == len(owners)
+
+
+@pytest.mark.parametrize("programs, n, shared", [(1, 1, "separate"), (3, 3, "table"), (7, 2, "none"),
+                                                 (40, 1, "other")])
+def test_stream_k_experts_match_reference_and_grid(programs, n, shared, device, monkeypatch):
+    """One-token-group steps run the stream-K kernels: with 1 program (every tile in one share), shares
+    that cross tiles and tiles split over several programs, more programs than some lists have units;
+    the shared expert in the table, separate, absent or in another layout (routed-only launches); a
+    padding row with no valid id. Against the reference, the moe_mma grid and a second call (bits)."""
+    from minimax_ops.kernels import moe_mma_stream
+    monkeypatch.setattr(moe_mma_stream, "stream_programs", lambda dev, t: programs)
+    launched = []
+    launch = moe_mma_stream._launch
+    monkeypatch.setattr(moe_mma_stream, "_launch", lambda *a, **k: launched.append(a[7].programs) or launch(*a, **k))
+    torch.manual_seed(60 + programs)
+    h = torch.randn(n, H, device=device).bfloat16()
+    ids, weights = _routing(n, device)
+    if n > 2:
+        h[n - 1], ids[n - 1] = 0, -1
+    canonical, mma = _tables(device, E + (shared == "table"), shared in ("separate", "other"))
+    if shared == "other":
+        mma[4:] = [pack_mxfp4_words(canonical[4]), canonical[5], pack_mxfp4_words(canonical[6]), canonical[7]]
+    keep = torch.where(ids >= 0, ids, 0)
+    want = ref.moe_experts(h, keep, torch.where(ids >= 0, weights, 0.0), *canonical, num_routed_experts=E)
+    tiles = (mma_expert_tiles(H, True, one_token=True), mma_expert_tiles(I, False, one_token=True))
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=tiles)
+    assert launched == [programs]
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=tiles))
+    monkeypatch.setenv("MINIMAX_OPS_NO_STREAM_K", "1")
+    grid = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=tiles)
+    assert len(launched) == 2 and rel_err(out, grid) < 5e-3
+    if n > 2:
+        assert (out[n - 1] == 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: real-size tables, graph replays")
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_stream_k_real_size_one_token_replays(fmt):
+    """The one-token experts at the real H and I (16 routed experts, top 4, a separate shared expert),
+    as a deployment launches them (stream-K on every SM, PTX decode): the reference within bf16
+    tolerance, and 200 replays of a captured graph bit-identical to the first."""
+    torch.manual_seed(5)
+    hidden, inter, experts = 6144, 3072, 16
+    mx = _MX[fmt]
+    tabs = [mx(experts, 2 * inter, hidden, scale=0.02), mx(experts, hidden, inter, scale=0.02),
+            mx(2 * inter, hidden, scale=0.02), mx(hidden, inter, scale=0.02)]
+    canonical = [t.cuda() for pair in tabs for t in pair]
+    mma = [t.cuda() for pair in tabs for t in to_mma_layout(*pair)]
+    h = torch.randn(1, hidden, device="cuda").bfloat16()
+    ids = torch.randperm(experts)[:4].int().cuda()[None]
+    weights = torch.rand(1, 4, device="cuda") + 0.1
+    want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=experts)
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=experts, pdl=True)
+    assert rel_err(out, want) < 1.5e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_experts(h, ids, weights, *mma, num_routed_experts=experts, pdl=True)
+    graph.replay()
+    first = captured.clone()
+    assert torch.equal(first, out)
+    mismatches = 0
+    for _ in range(200):
+        graph.replay()
+        mismatches += int(not torch.equal(captured, first))
+    torch.cuda.synchronize()
+    assert mismatches == 0
