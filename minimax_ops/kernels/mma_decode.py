@@ -470,14 +470,6 @@ def fold(acc, NW: tl.constexpr, DEPTH: tl.constexpr):
 
 
 @triton.jit
-def fragment_out(NW: tl.constexpr):
-    """(token column, row) of each register of a folded [NW * 32, 4] accumulator: the mma's token
-    column 2c + e % 2 and row g + 8 * (e // 2) of warp w's block, w * 16 + .. among the NW blocks."""
-    d, g, c, e = fragment_index(NW, 1)
-    return 2 * c + e % 2, warp_rows(NW, 1) * 16 + g + 8 * (e // 2)
-
-
-@triton.jit
 def warp_rows(NW: tl.constexpr, DEPTH: tl.constexpr):
     """Warp index of each row of a fragment-order [DEPTH * NW * 32, 4] tensor, [R, 1]."""
     return (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32

@@ -39,9 +39,8 @@ from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
                            slot_weights, swiglu_oai)
-from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, fragment_out,
-                         mma_operands, pair_sets, preload_first, preloads, warp_rows)
-from .moe_mma_stream import launch_stream_experts, streams
+from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
+                         pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, mma_expert_tiles, portable_mma_tiles, register_cap
@@ -158,8 +157,8 @@ def _fragment_out(m0, NW: tl.constexpr):
     """(rank, output row) of each register of a folded [NW * 32, 4] fragment of the token group at
     rank m0 and this program's NW row blocks (computed where they are stored: nothing held across
     the K loop)."""
-    column, row = fragment_out(NW)
-    return column + m0, tl.program_id(1) * NW * 16 + row
+    d1, g1, c1, e1 = fragment_index(NW, 1)
+    return 2 * c1 + e1 % 2 + m0, (tl.program_id(1) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
 
 
 @triton.jit
@@ -401,10 +400,6 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
     check_k_steps("w13", t13.split, t13.k_chunks, hidden)
     check_k_steps("w2", t2.split, t2.k_chunks, inter, *((w13.inter_shared,) if shared_separate else ()))
-    if streams(t13, t2, n) and launch_stream_experts(
-            h, ids, w13, w2, a, y, slots=slots, inter=inter, shared_slot=shared_slot, shared_separate=shared_separate,
-            shared_only=shared_only, t13=t13, t2=t2, n_routed=n_routed, ptx=ptx, alpha=alpha, limit=limit, pdl=pdl):
-        return
     two = _two_groups(w13.fmt, n, ptx)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,

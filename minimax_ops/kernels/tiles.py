@@ -113,7 +113,6 @@ class ExpertTiles:
     fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
     max_registers: int = 0  # ptxas register cap of the mma-layout kernels' PTX launch (0: the compiler's choice)
     paired: bool = False  # mma-layout w13: each K block's gate and up blocks in one stream (moe_mma's PAIRED)
-    stream: int = 0  # mma-layout, one token group: stream-K programs per SM (moe_mma_stream.py); 0: moe_mma's grid
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -185,10 +184,6 @@ _MMA_EXPERT_TILES = {
     (True, True): _MXFP8_EXPERT_TILES,
     (True, False): _MXFP8_EXPERT_TILES,
 }
-# One-token steps run both kernels in stream-K form (moe_mma_stream.py) with as many programs as the
-# register caps leave resident (4 of 4 warps per SM at 128 registers) where the grid has 480: per
-# (mxfp8_mma, one-token step), stream-K programs per SM (the grid's K splits are its fallback).
-_MMA_EXPERT_STREAM = {(False, True): 4, (True, True): 4}
 
 
 # mma-layout GEMV (linear_mma.py, qkv_mma.py): (row blocks per program, blocks per load step, L2 prefetch
@@ -238,8 +233,7 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     while split > 1 and blocks % split:
         split -= 1
     return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
-                       max_registers=max_registers, paired=w13 and paired,
-                       stream=_MMA_EXPERT_STREAM.get((fp8, one_token), 0))
+                       max_registers=max_registers, paired=w13 and paired)
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
