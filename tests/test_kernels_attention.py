@@ -468,7 +468,8 @@ def test_index_sparse_attention_several_chunks(monkeypatch, dtype):
 def test_index_sparse_attention_selection_is_index_topks(monkeypatch, kind):
     """Fresh block scores (ties, +-0, infinities, NaN) into both paths: the in-kernel selection walks
     exactly the blocks of index_topk's pass 2, so one split gives the same bits. Rows of 0 to 46 blocks
-    over SHORT (4) and CHUNK (16) widths."""
+    over SHORT (4) and CHUNK (16) widths: rows of up to SHORT blocks take their pages (a random table)
+    from those read before the wait (PAGES_FIRST), longer rows read them after the selection."""
     monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
     gen = torch.Generator().manual_seed(13)
     scores, seq_lens, kv_len = selection_rows(kind, gen)

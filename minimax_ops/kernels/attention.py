@@ -18,7 +18,10 @@ the fused layer's path) reads the indexer's block scores instead and makes the t
 split program of a (token, kv head) runs index_topk's ``select_blocks_row`` on index head kv_head's
 score row, gets the same deterministic selection (keys are unique), and walks its own share of the
 selected blocks' tiles. The repeated selection costs about what the kernel boundary and the ids'
-round trip through memory cost (BENCHMARKS.md): one launch fewer, no time gained.
+round trip through memory cost (BENCHMARKS.md): one launch fewer, no time gained. The block table is
+the step's metadata, so a SELECT program reads the pages of the row's first SHORT blocks before its PDL
+wait (``PAGES_FIRST``) and takes its selection's pages from registers: one dependent round trip fewer
+after the wait (rows of more blocks read them after the selection).
 
 fp8 caches meet q and p in fp16 (``F16``: e4m3 -> fp16 is exact and one conversion per pair of values;
 the bf16 form spent about as many instructions converting as loading), bf16 caches stay bf16. A tile
@@ -29,6 +32,7 @@ half a block otherwise (``_tile``: one-token steps need the smaller tiles to fil
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -53,7 +57,7 @@ def _attention_split_kernel(
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
         SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -89,6 +93,11 @@ def _attention_split_kernel(
         # fp8 K / V: fp16 operands. e4m3 -> fp16 is one exact conversion per pair of values (bf16 takes
         # three instructions per value); q is RMS-normed, far inside fp16's range; p <= 1 keeps more bits.
         q = q.to(tl.float16)
+    if SELECT and PAGES_FIRST:
+        # The pages of the first SHORT blocks (the step's metadata, not the indexer's output): read before
+        # the wait, so that a selection from a row of up to SHORT blocks finds its pages in registers.
+        near = tl.arange(0, SHORT)
+        near_pages = tl.load(block_table_ptr + req * stride_bt + near, mask=near < tl.minimum(nb, SHORT), other=-1)
     if PDL and not DENSE:
         # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
         # the new token's k / v come from the launch before it, complete once the indexer started, so
@@ -113,7 +122,13 @@ def _attention_split_kernel(
         # Every selected block's page in one load before the tile loop, whose only loads are then K / V
         # (their addresses from registers: the pipeliner can buffer them ahead, see SPLIT_LAUNCH).
         chosen = (selection >= 0) & (selection < nb)
-        pages = tl.load(block_table_ptr + req * stride_bt + selection, mask=chosen, other=-1)
+        if SELECT and PAGES_FIRST:
+            if nb <= SHORT:
+                pages = tl.where(chosen, tl.gather(near_pages, tl.where(chosen, selection, 0), 0), -1)
+            else:
+                pages = tl.load(block_table_ptr + req * stride_bt + selection, mask=chosen, other=-1)
+        else:
+            pages = tl.load(block_table_ptr + req * stride_bt + selection, mask=chosen, other=-1)
         selection = tl.where(chosen, selection, -1)
     offs = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -279,7 +294,8 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
         BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
-        F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl, num_warps=4,
+        F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
+        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
         num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -358,7 +374,8 @@ def aot_specs() -> list[KernelSpec]:
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
-                         "CHUNK": chunk if select else 1, "F16": kv_t == "*fp8e4nv", "DOT_FP32": False},
+                         "CHUNK": chunk if select else 1, "F16": kv_t == "*fp8e4nv", "DOT_FP32": False,
+                         "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(
