@@ -59,6 +59,47 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
 
 
+# ---- the AOT compile check, in the background ---------------------------------------------------------------
+
+AOT_TEST = "test_kernels_aot.py::test_every_kernel_compiles_for_every_target"
+_AOT_RUN = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The AOT compile check (tests/test_kernels_aot.py: some 20 CPU-minutes on CI's 2 cores) starts when
+    its test is collected, in the background at the lowest CPU priority, so that it compiles on the cores
+    the other tests leave idle; its test moves to the end of the run and collects the result."""
+    aot = [item for item in items if item.nodeid.endswith(AOT_TEST)]
+    if not aot:
+        return
+    items[:] = [item for item in items if item not in aot] + aot
+    import subprocess
+    import sys
+    import tempfile
+
+    from utils import ROOT, aot_env
+
+    out = tempfile.mkdtemp(prefix="minimax_aot_")
+    report, log = os.path.join(out, "aot.json"), open(os.path.join(out, "aot.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "minimax_ops.kernels.aot_check", "--json", report, "-j",
+                             str(os.cpu_count() or 1)], cwd=ROOT, env=aot_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+    log.close()
+    config.stash[_AOT_RUN] = {"proc": proc, "report": report, "log": log.name}
+
+
+@pytest.fixture
+def aot_background(request) -> dict | None:
+    """The background AOT check this session started ({proc, report, log}), or None."""
+    return request.config.stash.get(_AOT_RUN, None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    run = session.config.stash.get(_AOT_RUN, None)
+    if run is not None and run["proc"].poll() is None:  # (a run stopped early: -x, ^C)
+        run["proc"].kill()
+        run["proc"].wait()
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
