@@ -79,12 +79,13 @@ def pytest_collection_modifyitems(session, config, items):
 
     from utils import ROOT, aot_env
 
-    out = tempfile.mkdtemp(prefix="minimax_aot_")
-    report, log = os.path.join(out, "aot.json"), open(os.path.join(out, "aot.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "minimax_ops.kernels.aot_check", "--json", report, "-j",
-                             str(os.cpu_count() or 1)], cwd=ROOT, env=aot_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
-    log.close()
-    config.stash[_AOT_RUN] = {"proc": proc, "report": report, "log": log.name}
+    out = tempfile.mkdtemp(prefix="minimax_aot_run_")
+    report, log = os.path.join(out, "aot.json"), os.path.join(out, "aot.log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minimax_ops.kernels.aot_check", "--json", report, "-j", str(os.cpu_count() or 1)],
+            cwd=ROOT, env=aot_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
+    config.stash[_AOT_RUN] = {"proc": proc, "report": report, "log": log}
 
 
 @pytest.fixture
