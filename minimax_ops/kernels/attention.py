@@ -177,8 +177,10 @@ def _attention_split_kernel(
 def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_on,
                             HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
-        gdc_wait()
+        # The next kernel (o_proj) may launch first: it waits for this one's completion itself, and
+        # reads its first weight step in the meantime.
         gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
