@@ -17,7 +17,9 @@ Variants alternate round by round (the spread between rounds is the noise floor;
 process runs on a GPU that was idle: compare the later ones); each round captures a fresh CUDA graph of
 the fused op under the variant's environment (only switches the code reads at every call take effect;
 MINIMAX_OPS_NO_PDL and the like are read once per process). Prints each variant's new kernels with their
-registers and spills, its median fused time, the unfused graph once per case, a warning where a variant's
+registers and spills, its median fused time, the unfused graph once per case (under the process's own
+environment, not a variant's: where a variant switches kernels the unfused chain shares, its "vs unfused"
+compares against the default kernels' chain), a warning where a variant's
 output leaves the first variant's by more than 2e-2, and with --timeline each variant's kernels inside one
 graph replay (profiler; start and end relative to the first kernel, so PDL overlap shows).
 """
