@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from minimax_ops.bench import _time
-from minimax_ops.kernels.mma_decode import block_stream, fragment_index, mma_block, pair_sets
+from minimax_ops.kernels.mma_decode import block_stream, fragment_index, mma_block, pair_sets, warp_rows
 
 WORDS = 128  # an mxfp4_mma block: 128 int32 words + 32 scale bytes
 SCALES = 32
@@ -111,7 +111,7 @@ def _copy_step(step, n_steps, n_blocks, gate_w, gate_s, words_at, scales_at, NT:
 @triton.jit
 def _regs_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr):
     d, g, c, e = fragment_index(NW, DEPTH)
-    warp = (tl.program_id(0) * NW + (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32).to(tl.int64)
+    warp = (tl.program_id(0) * NW + warp_rows(NW, DEPTH)).to(tl.int64)
     n_blocks = n_steps * DEPTH
     w_rows = w_ptr + warp * 2 * n_blocks * 128
     s_rows = s_ptr + warp * 2 * n_blocks * 32

@@ -4,6 +4,9 @@ TRITON_INTERPRET must be set before any kernel module is imported, hence here, f
 """
 
 import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -73,11 +76,7 @@ def pytest_collection_modifyitems(session, config, items):
     if not aot:
         return
     items[:] = [item for item in items if item not in aot] + aot
-    import subprocess
-    import sys
-    import tempfile
-
-    from utils import ROOT, aot_env
+    from utils import ROOT, aot_env  # (tests/ is on the path once conftest runs)
 
     out = tempfile.mkdtemp(prefix="minimax_aot_run_")
     report, log = os.path.join(out, "aot.json"), os.path.join(out, "aot.log")

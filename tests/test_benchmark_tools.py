@@ -12,19 +12,19 @@ import pytest
 import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
+         "ring_stream")
 
 
 @pytest.fixture
 def tools(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield lambda name: importlib.import_module(name)
-    for name in ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-                 "ring_stream"):
+    for name in TOOLS:
         sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize("name", ["ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention",
-                                  "sweep_kernels", "read_patterns", "ring_stream"])
+@pytest.mark.parametrize("name", TOOLS)
 def test_benchmark_scripts_import(tools, name):
     assert callable(tools(name).main)
 
