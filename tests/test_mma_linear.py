@@ -64,28 +64,3 @@ def test_mma_linear_tiles_fill_the_gpu():
         assert (k // 64) % (t.depth * t.split) == 0
         assert (n // 16) * t.split >= 16 * 132 or t.split == 8
     assert mma_linear_tiles(64, 128, 132, True).split in (1, 2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="weight steps are staged in shared memory only by the inline-PTX kernels (CUDA sm_90+)")
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_mma_linear_staged_steps(fmt, monkeypatch):
-    """As a PDL dependent, steps of 1, 3 and 8 tokens: the first weight steps copied into shared memory
-    before the wait (smem_stage), every count from none to the most that fit, with K splits, load
-    depths and strided x rows: the reference within fp32 rounding, and the count the launch took is
-    the one asked for."""
-    from minimax_ops.kernels.linear_mma import launch_staged
-    code = FMT_MXFP8_MMA if fmt == "mxfp8" else FMT_MXFP4_MMA
-    want_w, mw, ms = _weight(fmt, 256, 2048, "cuda")
-    for m in (1, 3, 8):
-        torch.manual_seed(11 + m)
-        x = torch.randn(m, 2304, device="cuda").bfloat16()[:, 128:2176]
-        want = x.float() @ want_w.T
-        for tiles in (MmaLinearTiles(8, 1, 0, 2), MmaLinearTiles(4, 2, 0, 1), MmaLinearTiles(2, 1, 0, 4)):
-            most = launch_staged(m, 2048, tiles.split, tiles, fmt == "mxfp8", True, True, rule=True)
-            assert most >= 2, tiles
-            for cap in sorted({0, 1, most // 2, most}):
-                monkeypatch.setenv("MINIMAX_OPS_STAGE_STEPS", str(cap))
-                assert launch_staged(m, 2048, tiles.split, tiles, fmt == "mxfp8", True, True) == cap
-                y = mma_linear(x, mw, ms, code, torch.float32, tiles=tiles, pdl=True)
-                assert rel_err(y, want) < 1e-5, (m, tiles, cap)

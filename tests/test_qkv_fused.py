@@ -142,28 +142,6 @@ def test_one_kernel_matches_the_chain(fmt, n, caches, split, sparse, device, mon
     _check_reference(got[0], got[1], kv1, index1, a, dense_w, kw, sparse)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="weight steps are staged in shared memory only by the inline-PTX kernels (CUDA sm_90+)")
-def test_staged_one_kernel_matches_the_chain():
-    """As PDL dependents (the fused layer's launches) the one kernel and the mma GEMV of the two stage
-    the same first weight steps in shared memory (smem_stage), so they still match bit for bit; and
-    the reference within bf16 / fp8 noise. Both formats, 1 and 3 tokens, unsplit K (3 staged steps)."""
-    from minimax_ops.kernels.linear_mma import launch_staged
-    for fmt, n, caches in (("mxfp8", 1, (FP8, FP8)), ("mxfp4", 3, (BF16, FP8))):
-        a, dense_w, kw = _case(SMALL, True, n, 256, fmt, *caches, "cuda", seed=n + 40)
-        tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, 1)
-        assert launch_staged(n, 256, 1, tiles, fmt == "mxfp8", True, True) == 3
-        kv2, index2 = a["kv"].clone(), a["index"].clone()
-        code = FMT_MXFP8_MMA if fmt == "mxfp8" else FMT_MXFP4_MMA
-        qkv = mma_linear(a["h"], a["w"], a["s"], code, torch.bfloat16, tiles=tiles, pdl=True)
-        want = qk_norm_rope_insert(qkv, a["positions"], a["slots"], a["islots"], a["q_norm"], a["k_norm"],
-                                   a["iq_norm"], a["ik_norm"], kv2, index2, pdl=True, **kw)
-        kv1, index1 = a["kv"].clone(), a["index"].clone()
-        got = _run(qkv_mma.qkv_norm_rope_insert, a, kv1, index1, kw, tiles=tiles, pdl=True)
-        _same_results(got, want, (kv1, index1), (kv2, index2))
-        _check_reference(got[0], got[1], kv1, index1, a, dense_w, kw, True)
-
-
 @pytest.mark.parametrize("fmt,n", [("mxfp8", 3), ("mxfp4", 1)])
 def test_default_tiles_head_dim_128(fmt, n, device, monkeypatch):
     """head_dim 128: on CUDA the heuristic's own tiles (8 row blocks a program) take the one-kernel

@@ -24,8 +24,6 @@ from .aot import KernelSpec
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
                          prefetch_step, preload_first, preloads, stream_pointers, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
-from .smem_stage import (prefer_shared, stage_base, stage_weights, stage_x, staged_at_launch, staged_product,
-                         staged_steps)
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import MmaLinearTiles, check_k_steps, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
 
@@ -35,28 +33,21 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr = False, STAGED: tl.constexpr = 0):
+                       PRELOAD: tl.constexpr = False):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
     columns of out complete (one split: every program; else the last to arrive), so a caller can
     run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads).
-    PRELOAD: the first streamed weight step is read first, before the PDL wait (mma_decode.first_blocks).
-    STAGED > 0 (PTX, PDL, one token group: smem_stage.staged_steps): the first STAGED steps are copied
-    into shared memory before the wait and multiplied after the stream (smem_stage)."""
+    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks)."""
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
     rb = tl.minimum(tl.program_id(0) * NW + warp_rows(NW, DEPTH), n_blocks - 1).to(tl.int64)
     w_rows, s_rows = w_ptr + rb * stride_wb, s_ptr + rb * stride_sb
     kb_split = k_blocks // SPLIT
-    kb_staged = tl.program_id(1) * kb_split
-    kb_begin = kb_staged + STAGED * DEPTH  # where the streamed steps begin
-    n_steps = kb_split // DEPTH - STAGED
-    stage = 0
-    if STAGED > 0:
-        stage = stage_base(STAGED, NW, DEPTH, FP8)
-        stage_weights(stage, w_rows, s_rows, kb_staged, STAGED, NW, DEPTH, FP8)
+    kb_begin = tl.program_id(1) * kb_split
+    n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
         step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8)
@@ -67,8 +58,6 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
         gdc_wait()
         gdc_launch_dependents()
-    if STAGED > 0:
-        stage_x(stage, x_ptr, stride_xm, M, kb_staged, STAGED, NW, DEPTH, FP8)
     d, g, c, e = fragment_index(NW, DEPTH)
     d1, g1, c1, e1 = fragment_index(NW, 1)
     n_out = (tl.program_id(0) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
@@ -83,8 +72,6 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
         else:
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
                                      PREFETCH, FP8, PDL, 1, PRELOADED=PRELOAD, first=step0)
-            if STAGED > 0:  # (one token group: the only pass)
-                acc = staged_product(acc, stage, STAGED, NW, DEPTH, PTX, FP8)
         for half in tl.static_range(2):
             part = fold(acc if half == 0 else acc2, NW, DEPTH)
             tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
@@ -110,10 +97,10 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr, STAGED: tl.constexpr):
+                       PRELOAD: tl.constexpr):
     """Grid (groups of NW row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, STAGED)
+                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
 
 
 def linear_tiles(n: int, k: int, device: torch.device, fp8: bool,
@@ -136,14 +123,6 @@ def split_buffers(device: torch.device, groups: int, split: int, m: int, n: int,
     if counters is None:
         return 1, out, None
     return split, torch.empty(split, m, n, dtype=torch.float32, device=device), counters
-
-
-def launch_staged(m: int, k: int, split: int, t: MmaLinearTiles, fp8: bool, ptx: bool, pdl: bool,
-                  rule: bool = False) -> int:
-    """STAGED of a launch of these tiles over K = k in ``split`` splits (smem_stage.staged_at_launch;
-    ``rule``: smem_stage.staged_steps, no environment, as the AOT specs take it)."""
-    steps = staged_steps if rule else staged_at_launch
-    return steps(m, k // MMA_K // split // t.depth, t.num_warps, t.depth, fp8, ptx, pdl)
 
 
 def aligned_x(x: torch.Tensor) -> torch.Tensor:
@@ -173,15 +152,12 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     groups = triton.cdiv(n // MMA_ROWS, t.num_warps)
     split, part, counters = split_buffers(x.device, groups, t.split, m, n, out)
     pdl = pdl and pdl_supported(x.device)
-    staged = launch_staged(m, k, split, t, fp8, ptx, pdl)
-    compiled = _mma_linear_kernel[(groups, split)](
+    _mma_linear_kernel[(groups, split)](
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
-        PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), STAGED=staged,
-        num_warps=t.num_warps, num_stages=1, launch_pdl=pdl, **register_cap(t))
-    if staged:
-        prefer_shared(compiled)
+        PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), num_warps=t.num_warps, num_stages=1,
+        launch_pdl=pdl, **register_cap(t))
     return out
 
 
@@ -207,12 +183,11 @@ def aot_specs() -> list[KernelSpec]:
                     continue  # portable at the small size only (mma layouts are laid out only where PTX runs)
                 t = mma_linear_tiles(n, k, 132, fp8)
                 t = t if ptx else portable_mma_tiles(t)
-                staged = launch_staged(1, k, t.split, t, fp8, ptx, pdl, rule=True)
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
-                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), STAGED=staged),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1)),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                         f"_s{t.split}" + (f"_staged{staged}" if staged else ""), max_registers=t.max_registers))
+                         f"_s{t.split}", max_registers=t.max_registers))
     return specs

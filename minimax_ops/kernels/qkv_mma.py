@@ -20,7 +20,6 @@ program: its per-row arithmetic does not depend on how many, so the bits still m
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -29,12 +28,11 @@ import triton.language as tl
 from ..constants import MAX_TOKENS
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .linear_mma import aligned_x, launch_staged, linear_tiles, mma_linear, mma_linear_program, split_buffers
+from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
 from .mma_decode import mma_operands, preload_first, preloads
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
-from .smem_stage import prefer_shared
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
                            segment_launch, segment_signature)
 from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
@@ -52,12 +50,11 @@ def _qkv_norm_rope_insert_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
-        PRELOAD: tl.constexpr, STAGED: tl.constexpr):
+        PRELOAD: tl.constexpr):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
     (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time."""
     done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD,
-                              STAGED)
+                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
     if done:
         tl.debug_barrier()  # the segment's columns, stored by all warps, read back by all
         for t0 in range(0, M, SEG_TOKENS):
@@ -141,15 +138,13 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
     qkv = torch.empty(m, width, dtype=torch.bfloat16, device=h.device)
     split, part, counters = split_buffers(h.device, launch.segments, t.split, m, width, qkv)
     pdl = pdl and pdl_supported(h.device)
-    staged = launch_staged(m, k, split, t, fp8, ptx, pdl) if os.environ.get("MINIMAX_OPS_STAGE_QKV") != "0" else 0
-    compiled = _qkv_norm_rope_insert_kernel[(launch.segments, split)](
+    _qkv_norm_rope_insert_kernel[(launch.segments, split)](
         x32, w, s, qkv, part, counters if counters is not None else s, m, width, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), qkv.stride(0), *launch.args,
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m), PRELOAD=preload_first(m),
-        STAGED=staged, num_warps=t.num_warps, num_stages=1, launch_pdl=pdl, **register_cap(t))
-    if staged:
-        prefer_shared(compiled)
+        num_warps=t.num_warps,
+        num_stages=1, launch_pdl=pdl, **register_cap(t))
     return launch.q, launch.index_q
 
 
@@ -167,12 +162,10 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
     t = mma_linear_tiles(n, k, 132, fp8)
     t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
-    staged = launch_staged(tokens, k, t.split, t, fp8, ptx, pdl, rule=True)
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
-                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens), STAGED=staged)
+                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens))
     name = (f"qkv_norm_rope_insert_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-            f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}"
-            + (f"_staged{staged}" if staged else ""))
+            f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
                       {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens},
                       num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else targets, name=name,
