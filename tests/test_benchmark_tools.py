@@ -13,7 +13,7 @@ import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-         "ring_stream")
+         "ring_stream", "pass_report")
 
 
 @pytest.fixture
@@ -27,6 +27,17 @@ def tools(monkeypatch):
 @pytest.mark.parametrize("name", TOOLS)
 def test_benchmark_scripts_import(tools, name):
     assert callable(tools(name).main)
+
+
+def test_pass_report_counts_ops_through_wrappers(tools):
+    """The report counts a mutating op wrapped in auto_functionalized as the op itself."""
+    report = tools("pass_report")
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch.ops.higher_order.auto_functionalized_v2, (torch.ops.aten.add_.Tensor,), {})
+    graph.call_function(torch.ops.aten.add.Tensor, (x, x))
+    graph.call_function(torch.ops.aten.add.Tensor, (x, x))
+    assert report.graph_ops(graph) == {"aten.add_.Tensor": 1, "aten.add.Tensor": 2}
 
 
 def test_ab_variants_parse(tools):
