@@ -13,6 +13,7 @@ from minimax_ops.model import MiniMaxM3DecoderLayer, MiniMaxM3ForCausalLM
 from minimax_ops.ops import fused as fused_ops
 from minimax_ops.reference_model import layer_forward, model_forward
 from minimax_ops.weights import model_to_kernel_layout, random_layer_weights, random_model_weights, to_kernel_layout
+from graph_text import compile_model, uncached_compiles
 from utils import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -169,9 +170,12 @@ def test_compiled_model_with_pass_full_cuda_graph(name, layout):
                       generator=g, table_width=blocks)
     tokens = torch.randint(0, cfg.vocab_size, (meta.num_tokens,), generator=g).cuda()
     p = MiniMaxM3DecodePass(record=True)
-    compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": p})
+    # Fresh Dynamo state and no compile caches: an earlier test's compiled model would be reused unseen
+    # by the pass (no rewrite recorded).
+    compiled = compile_model(model, p, dynamic=None)
     warm = [c.clone() for c in caches]
-    compiled(tokens, meta.positions, warm, meta)  # compile + warm up on scratch caches
+    with uncached_compiles():
+        compiled(tokens, meta.positions, warm, meta)  # compile + warm up on scratch caches
     assert p.rewrites == cfg.num_hidden_layers
     assert "fused_decode_layer" in p.graphs[-1][1]
     graph = torch.cuda.CUDAGraph()
