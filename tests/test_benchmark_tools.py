@@ -13,7 +13,7 @@ import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-         "ring_stream", "pass_report")
+         "ring_stream", "pass_report", "handoff_latency", "select_latency")
 
 
 @pytest.fixture
