@@ -3,9 +3,11 @@ dependent launches, as the fused layer's attention runs), each program reading o
 its wait and storing the top-k block ids, the selection made different ways:
 
 - ``none``: the row's keys read, the first k stored (no selection: the floor);
-- ``bitonic``: ``index_topk.select_blocks_row`` with one tl.topk as wide as the row (PARTS 1);
-- ``parts P``: ``select_blocks_row`` with PARTS P: a tl.topk of each of P slices, then one of the P * k survivors;
+- ``bitonic``: ``index_topk.select_blocks_row`` (what the kernels run: one tl.topk as wide as the row);
 - ``rank``: every key's rank counted against all the others (no sort), the k best placed by rank.
+
+(A third form, a tl.topk of each of 2-8 slices of the row and one of the survivors, measured slower: commit
+558e905 has it as ``select_blocks_row``'s PARTS, BENCHMARKS.md the figures.)
 
 Each variant's ids are checked against ``bitonic``'s.
 
@@ -24,12 +26,12 @@ from minimax_ops.bench import _time
 from minimax_ops.kernels.index_topk import select_blocks_row, topk_keys, topk_widths
 from minimax_ops.kernels.mx_decode import gdc_launch_dependents, gdc_wait
 
-MODES = {"none": (0, 1), "bitonic": (1, 1), "parts 2": (1, 2), "parts 4": (1, 4), "parts 8": (1, 8), "rank": (2, 1)}
+MODES = {"none": 0, "bitonic": 1, "rank": 2}
 
 
 @triton.jit
 def _select_kernel(scores_ptr, ids_ptr, nb, topk, stride_row, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SHORT: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+                   SHORT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -39,7 +41,7 @@ def _select_kernel(scores_ptr, ids_ptr, nb, topk, stride_row, MODE: tl.constexpr
     if MODE == 0:
         ids = (topk_keys(row, k, nb) & 0xFFFF).to(tl.int32)
     elif MODE == 1:
-        ids = select_blocks_row(row, nb, topk, BLOCK_K, SHORT, CHUNK, PARTS)
+        ids = select_blocks_row(row, nb, topk, BLOCK_K, SHORT, CHUNK)
     else:
         i = tl.arange(0, SHORT)
         ki = topk_keys(row, i, nb)
@@ -69,9 +71,9 @@ def main() -> None:
     def launch(mode):
         def run():
             for i in range(args.kernels):
-                _select_kernel[(progs,)](scores, outs[mode], nb, topk, scores.stride(0), MODE=MODES[mode][0],
-                                         BLOCK_K=topk, SHORT=short, CHUNK=chunk, PARTS=MODES[mode][1], PDL=True,
-                                         num_warps=4, launch_pdl=i > 0)
+                _select_kernel[(progs,)](scores, outs[mode], nb, topk, scores.stride(0), MODE=MODES[mode],
+                                         BLOCK_K=topk, SHORT=short, CHUNK=chunk, PDL=True, num_warps=4,
+                                         launch_pdl=i > 0)
         return run
 
     print(f"{torch.cuda.get_device_name()}: {progs} programs, rows of {nb} blocks, top {topk}, chains of "
@@ -80,11 +82,11 @@ def main() -> None:
     print("|---|---|---|---|")
     times = {}
     for mode in MODES:
-        if MODES[mode][0] == 2 and nb > short:  # the rank form takes one row slice of up to SHORT blocks
+        if MODES[mode] == 2 and nb > short:  # the rank form takes one row slice of up to SHORT blocks
             continue
         launch(mode)()
         torch.cuda.synchronize()
-        if mode not in ("none", "bitonic"):
+        if mode == "rank":
             launch("bitonic")()
         torch.cuda.synchronize()
         same = "-" if mode == "none" else str(bool(torch.equal(outs[mode], outs["bitonic"])))

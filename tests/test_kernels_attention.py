@@ -303,15 +303,13 @@ def selection_rows(kind: str, gen) -> tuple[torch.Tensor, torch.Tensor, list[int
     return scores, seq_lens, kv_len
 
 
-@pytest.mark.parametrize("chunk,parts", [(4, 1), (8, 2), (16, 4)])
 @pytest.mark.parametrize("topk", [TOPK, 5])
 @pytest.mark.parametrize("kind", ["randn", "ties", "special"])
-def test_index_topk_selection_matches_key_order(monkeypatch, kind, topk, chunk, parts):
+def test_index_topk_selection_matches_key_order(monkeypatch, kind, topk):
     """Pass 2 alone on fresh scores against the int64 key order, exactly: rows shorter than topk, one
-    tl.topk of SHORT blocks and just past it, CHUNK-wide slices exactly and several, padding rows; each
-    tl.topk whole or in slices (``select_parts``, where a slice still holds BLOCK_K keys)."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", chunk)
-    monkeypatch.setenv("MINIMAX_OPS_SELECT_PARTS", str(parts))
+    tl.topk of SHORT blocks (4 or 8 here) and just past it, CHUNK-wide slices (16) exactly and several,
+    padding rows."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
     scores, seq_lens, kv_len = selection_rows(kind, torch.Generator().manual_seed(4))
     out = torch.empty(len(kv_len), HI, topk, dtype=torch.int32, device=DEVICE)
     index_topk._select_blocks(scores.to(DEVICE), seq_lens.to(DEVICE), out, 2, BS)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .index_topk import select_blocks_row, select_parts, topk_widths
+from .index_topk import select_blocks_row, topk_widths
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
 
@@ -57,7 +57,7 @@ def _attention_split_kernel(
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
         SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False, PARTS: tl.constexpr = 1):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -109,7 +109,7 @@ def _attention_split_kernel(
         # ids, -1 past min(nb, topk), so there are no repeats to skip.
         kk = tl.arange(0, BLOCK_TOPK)
         selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
-                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK, PARTS)
+                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK)
     elif not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
@@ -297,8 +297,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
         BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
         F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
-        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1",
-        PARTS=select_parts(short, block_topk) if select else 1, num_warps=4,
+        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
         num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -378,7 +377,7 @@ def aot_specs() -> list[KernelSpec]:
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
                          "CHUNK": chunk if select else 1, "F16": kv_t == "*fp8e4nv", "DOT_FP32": False,
-                         "PAGES_FIRST": select, "PARTS": select_parts(short, topk) if select else 1},
+                         "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(

@@ -23,8 +23,6 @@ so pass 2's kernel and its block ids' round trip through memory drop out.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -125,33 +123,18 @@ def topk_keys(row, blk, nb):
 
 
 @triton.jit
-def _best_keys(row, start, nb, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
-    """The BLOCK_K largest keys of row entries start .. start + WIDTH - 1, descending. PARTS > 1: a tl.topk
-    of each of PARTS slices, then one of their PARTS * BLOCK_K survivors (narrower sorts than one
-    WIDTH-wide tl.topk; the same keys, since every key of the best BLOCK_K is among its slice's best)."""
-    if PARTS == 1:
-        return tl.topk(topk_keys(row, start + tl.arange(0, WIDTH), nb), BLOCK_K)
-    else:
-        PART: tl.constexpr = WIDTH // PARTS
-        blk = start + tl.arange(0, PARTS)[:, None] * PART + tl.arange(0, PART)[None, :]
-        part = tl.topk(topk_keys(row, blk, nb), BLOCK_K, dim=1)
-        return tl.topk(tl.reshape(part, [PARTS * BLOCK_K]), BLOCK_K)
-
-
-@triton.jit
-def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
-                      PARTS: tl.constexpr = 1):
+def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr):
     """The top-k selection of one (token, index head) score row of nb blocks: int32 [BLOCK_K] logical
     block ids, best first (the local block nb - 1 first), -1 from min(nb, topk) on. Keys are unique,
     so the selection is deterministic: every program that selects from the same row gets the same ids.
-    SHORT, CHUNK, PARTS: tl.topk widths and slices from ``topk_widths`` (SHORT >= BLOCK_K)."""
+    SHORT, CHUNK: tl.topk widths from ``topk_widths`` (SHORT >= BLOCK_K)."""
     # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
     if nb <= SHORT:
-        best = _best_keys(row, 0, nb, SHORT, BLOCK_K, PARTS)
+        best = tl.topk(topk_keys(row, tl.arange(0, SHORT), nb), BLOCK_K)
     else:
         best = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32  # below every key
         for start in range(0, nb, CHUNK):
-            cand = _best_keys(row, start, nb, CHUNK, BLOCK_K, PARTS)
+            cand = tl.topk(topk_keys(row, start + tl.arange(0, CHUNK), nb), BLOCK_K)
             best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
     k = tl.arange(0, BLOCK_K)
     return tl.where((k < nb) & (k < topk), (best & 0xFFFFFFFF).to(tl.int32), -1)
@@ -161,7 +144,7 @@ def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr,
 def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
-                       PDL: tl.constexpr, PARTS: tl.constexpr = 1):
+                       PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -172,7 +155,7 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
     row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
-    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK, PARTS)
+    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK)
     k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
 
@@ -196,19 +179,6 @@ def topk_widths(width: int, block_k: int) -> tuple[int, int]:
     (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
     short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
     return short, max(short, min(4 * TOPK_CHUNK, triton.next_power_of_2(width)))
-
-
-# tl.topk slices of a selection row (``_best_keys``; benchmarks/select_latency.py times the forms).
-SELECT_PARTS = 1
-
-
-def select_parts(short: int, block_k: int) -> int:
-    """Slices of a selection's tl.topk for rows of up to ``short`` blocks: SELECT_PARTS, or
-    MINIMAX_OPS_SELECT_PARTS (read at each call: A/B runs), halved until a slice holds block_k keys."""
-    parts = int(os.environ.get("MINIMAX_OPS_SELECT_PARTS", SELECT_PARTS))
-    while parts > 1 and short // parts < block_k:
-        parts //= 2
-    return parts
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -294,7 +264,7 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
-        SHORT=short, CHUNK=chunk, PDL=pdl, PARTS=select_parts(short, block_k), num_warps=4, launch_pdl=pdl)
+        SHORT=short, CHUNK=chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -319,6 +289,6 @@ def aot_specs() -> list[KernelSpec]:
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
                  "stride_sh": "i32", "stride_on": "i32", "stride_oh": "i32"},
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
-                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk, "PARTS": select_parts(short, block_k)},
+                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
     return with_pdl_variants(specs)
