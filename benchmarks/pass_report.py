@@ -12,14 +12,12 @@ import collections
 import logging
 
 import torch
-from torch._functorch import config as functorch_config
-from torch._inductor import config as inductor_config
 
 import minimax_ops  # noqa: F401  (registers the vocabulary)
-from graph_passes import MiniMaxM3DecodePass
+from graph_passes import MiniMaxM3DecodePass, uncached_compiles
 from graph_passes.decode_layer_patterns import PATTERNS
 from graph_passes.fx_utils import op_of
-from minimax_ops.cache import allocate_caches, build_step, request_block_ids
+from minimax_ops.cache import allocate_caches, build_step
 from minimax_ops.config import preset
 from minimax_ops.model import MiniMaxM3ForCausalLM
 from minimax_ops.weights import random_model_weights
@@ -54,19 +52,17 @@ def main() -> None:
     weights = random_model_weights(cfg, generator=g, device=dev, linear_format="mxfp8", expert_format="mxfp4")
     model = MiniMaxM3ForCausalLM(cfg, weights).to(dev)
     bs, prompts = cfg.sparse_block_size, [40, 23]
-    blocks = sum(-(-(p + 8) // bs) for p in prompts) + 4
+    blocks = sum(-(-(p + 1) // bs) for p in prompts) + 4
     fp8 = torch.float8_e4m3fn
+    # The pass reads shapes and dtypes, not values: random caches and a decode step with no prefill before it.
     caches = allocate_caches(cfg, blocks, kv_dtype=fp8, index_dtype=fp8, device=dev, generator=g)
-    pre = build_step([0, 0], prompts, block_size=bs, num_blocks=blocks, device=dev, generator=g)
-    model(torch.randint(0, cfg.vocab_size, (sum(prompts),), generator=g).to(dev), pre.positions, caches, pre)
-    meta = build_step(list(prompts), 1, block_size=bs, num_blocks=blocks, block_ids=request_block_ids(pre, bs),
-                      pad_requests=2, device=dev, generator=g, table_width=blocks)
+    meta = build_step(prompts, 1, block_size=bs, num_blocks=blocks, pad_requests=2, device=dev, generator=g,
+                      table_width=blocks)
     tokens = torch.randint(0, cfg.vocab_size, (meta.num_tokens,), generator=g).to(dev)
     p = ReportingPass()
-    # No cached graph: a cache hit would skip the pass (its uuid is constant).
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-        compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": p})
-        compiled(tokens, meta.positions, [c.clone() for c in caches], meta)
+    compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": p})
+    with uncached_compiles():
+        compiled(tokens, meta.positions, caches, meta)
     print(f"pass calls {p.calls}, layers rewritten {p.rewrites} of {cfg.num_hidden_layers}")
 
 

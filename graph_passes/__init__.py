@@ -7,8 +7,8 @@ plain torch.compile's ``post_grad_custom_post_pass`` option both take.
 import minimax_ops  # noqa: F401  (registers torch.ops.minimax.*)
 
 from .deployment import Deployment, deployment_refusal
-from .fused_decode_pass import MiniMaxM3DecodePass
+from .fused_decode_pass import MiniMaxM3DecodePass, uncached_compiles
 
 minimax_m3_decode_pass = MiniMaxM3DecodePass()
 
-__all__ = ["Deployment", "deployment_refusal", "MiniMaxM3DecodePass", "minimax_m3_decode_pass"]
+__all__ = ["Deployment", "deployment_refusal", "MiniMaxM3DecodePass", "minimax_m3_decode_pass", "uncached_compiles"]

@@ -15,12 +15,14 @@ graph_passes.minimax_m3_decode_pass})``. vLLM: ``CompilationConfig(inductor_pass
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.fx import Graph
 
 from minimax_ops.constants import MAX_TOKENS
@@ -47,6 +49,15 @@ def source_files() -> list[pathlib.Path]:
     ops = _ROOT / "minimax_ops"
     files += sorted(p for p in ops.rglob("*.py") if "kernels" not in p.relative_to(ops).parts)
     return files
+
+
+@contextlib.contextmanager
+def uncached_compiles() -> Iterator[None]:
+    """Compiles inside reach the pass: Inductor's FX graph cache and AOTAutograd's cache reuse a compiled
+    artifact on a hit (the pass's uuid is constant for the same sources) and skip post-grad passes."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 # Readers of the serving engine's deployment (minimax_vllm registers vLLM's on import): the pass asks

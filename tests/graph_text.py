@@ -19,7 +19,6 @@ small harness that compiles the tiny model with the pass and checks a step again
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import re
@@ -31,6 +30,7 @@ import torch
 import torch._inductor.custom_graph_pass
 
 import minimax_ops  # noqa: F401  (registers torch.ops.minimax.*, whose schemas order the arguments)
+from graph_passes import uncached_compiles
 from minimax_ops.cache import StepMetadata, allocate_caches, build_step
 from minimax_ops.config import MiniMaxM3Config, preset
 from minimax_ops.ops import fused as fused_ops
@@ -349,15 +349,6 @@ def run_against_reference(fn: Callable, config: MiniMaxM3Config, weights: ModelW
     runs = {k: fused_ops.impl_calls[k] - before[k] for k in before}
     ref = model_forward(ids, weights, ref_caches, meta, config)
     return StepResult(out, ref, caches_equal(caches, ref_caches), runs)
-
-
-@contextlib.contextmanager
-def uncached_compiles():
-    """Inductor's FX graph cache and AOTAutograd's cache skip custom passes on a hit (the compiled
-    artifact is reused): turn them off so every compile reaches the pass under test."""
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
 
 
 class GraphKeeper(torch._inductor.custom_graph_pass.CustomGraphPass):

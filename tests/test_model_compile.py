@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-import torch._functorch.config as functorch_config
-import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
+from graph_passes import uncached_compiles
 from minimax_ops import reference_model as rm
 from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import SPARSE_MOE, preset
@@ -137,8 +136,7 @@ def run() -> Run:
         "reference": lambda ids, m, c: rm.model_forward(ids, weights, c, m, CFG),
     }
     torch._dynamo.reset()
-    # A cached FX graph would skip the recording pass (its uuid is constant): compile for real.
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with uncached_compiles():  # a cached artifact would skip the recording pass
         for kind, ids, meta in _steps(gen):
             for name, fn in run_path.items():
                 result.outputs[name].append(fn(ids, meta, result.caches[name]))

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tp_harness
-from graph_passes import MiniMaxM3DecodePass
+from graph_passes import MiniMaxM3DecodePass, uncached_compiles
 from minimax_ops import reference_model as rm
 from minimax_ops.cache import LayerCache, allocate_caches, build_step, request_block_ids
 from minimax_ops.config import preset
@@ -68,9 +68,6 @@ def _shard(caches: list[LayerCache], rank: int, world: int) -> list[LayerCache]:
 
 
 def decode_worker(rank: int, world: int, workdir: str) -> dict:
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     case = torch.load(f"{workdir}/case.pt", weights_only=False)
     group = dist.group.WORLD
     x = torch.randn(3, CFG.hidden_size, generator=torch.Generator().manual_seed(rank))
@@ -82,7 +79,7 @@ def decode_worker(rank: int, world: int, workdir: str) -> dict:
     run = dict(models, compiled=torch.compile(models["compiled"], fullgraph=True, dynamic=False,
                                               options={"post_grad_custom_post_pass": graph_pass}))
     out = {"logits": {}, "caches": {}, "fused_runs": {}}
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with uncached_compiles():
         for name, fn in run.items():
             caches = _shard(case["caches"], rank, world)
             out["logits"][name], out["fused_runs"][name] = [], []
