@@ -10,7 +10,8 @@ ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the dept
 ``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables, the mxfp8_mma GEMV tiles (qkv, o_proj):
 ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
 router's tile: ``ROUTER=experts/H``, the sparse attention's split launch: ``ATTN=programs per SM/pipeline
-stages``, and ``TWO=1``: two token groups on one expert weight stream for
+stages``, the indexer top-k's one-slice width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows
+of more blocks are selected by groups), and ``TWO=1``: two token groups on one expert weight stream for
 MXFP4 too (with an unpaired w13), ``TWO=0``: for no format (MXFP8 too).
 
 Variants alternate round by round (the spread between rounds is the noise floor; the first round of a
@@ -36,7 +37,7 @@ import torch
 from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
-from minimax_ops.kernels import attention, linear_mma, moe_mma, qkv_mma, router, tiles
+from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -50,13 +51,14 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN")
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
 _BASE_TWO_GROUPS = moe_mma._two_groups
 _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.linear_tiles}
 _BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
+_BASE_TOPK_CHUNK = index_topk.TOPK_CHUNK
 
 
 def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> None:
@@ -164,6 +166,7 @@ class _Env:
         _set_gemv_tiles(qkv_mma, knobs["QKV"])
         _set_gemv_tiles(linear_mma, knobs["OPROJ"])
         _set_attention_launch(knobs["ATTN"])
+        index_topk.TOPK_CHUNK = int(knobs["SHORT"]) if knobs["SHORT"] else _BASE_TOPK_CHUNK
 
 
 def _compiled(kernels) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-         "ring_stream", "pass_report", "handoff_latency", "select_latency")
+         "ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies")
 
 
 @pytest.fixture
@@ -94,6 +94,16 @@ def test_ab_attention_knob_patches_split_launch_and_restores(tools):
     with ab._Env({"ATTN": "3/4"}):
         assert attention.SPLIT_LAUNCH == {**base, "sparse_per_sm": 3, "num_stages": 4}
     assert attention.SPLIT_LAUNCH == base
+
+
+def test_ab_short_knob_patches_topk_width_and_restores(tools):
+    """SHORT= sets the indexer top-k's one-slice width (rows of more blocks go by groups) for the variant only."""
+    ab = tools("ab_fused")
+    from minimax_ops.kernels import index_topk
+    base = index_topk.TOPK_CHUNK
+    with ab._Env({"SHORT": "1024"}):
+        assert index_topk.topk_widths(1024, 16) == (1024, 1024, 64)
+    assert index_topk.TOPK_CHUNK == base and index_topk.topk_widths(1024, 16) == (base, 1024, base // 16)
 
 
 def test_stage_removal_hooks(tools, monkeypatch):

@@ -260,8 +260,9 @@ def test_index_topk(step, dtype):
 
 
 def test_index_topk_several_chunks(monkeypatch):
-    """A row longer than one tl.topk slice: the running best-k is merged across slices."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # slices of max(BLOCK_K, 4 x 1) = 4 blocks
+    """Rows longer than SHORT: selected by groups (of one block here), the best group maxima kept across
+    CHUNK-wide slices."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # SHORT = BLOCK_K = 4 blocks, slices of 16 x 4 = 64
     gen = torch.Generator().manual_seed(3)
     meta = build_step([200, 70], 2, block_size=BS, num_blocks=NUM_BLOCKS, generator=gen).to(DEVICE)
     _, index = poisoned_caches(meta, torch.bfloat16, gen)
@@ -303,13 +304,21 @@ def selection_rows(kind: str, gen) -> tuple[torch.Tensor, torch.Tensor, list[int
     return scores, seq_lens, kv_len
 
 
+# (TOPK_CHUNK, GROUP_SLICES): SHORT = max(BLOCK_K, TOPK_CHUNK), groups of SHORT / BLOCK_K blocks read in
+# slices of GROUP_SLICES x SHORT: groups of one block in 16-block slices; groups of 2 (BLOCK_K 4) in slices
+# of 8; groups of 4 or 2 in slices of 32 (rows of up to 46 blocks: one to six slices).
+SELECT_WIDTHS = [(4, 4), (8, 1), (16, 2)]
+
+
+@pytest.mark.parametrize("widths", SELECT_WIDTHS, ids=lambda w: f"short{w[0]}x{w[1]}")
 @pytest.mark.parametrize("topk", [TOPK, 5])
 @pytest.mark.parametrize("kind", ["randn", "ties", "special"])
-def test_index_topk_selection_matches_key_order(monkeypatch, kind, topk):
+def test_index_topk_selection_matches_key_order(monkeypatch, kind, topk, widths):
     """Pass 2 alone on fresh scores against the int64 key order, exactly: rows shorter than topk, one
-    tl.topk of SHORT blocks (4 or 8 here) and just past it, CHUNK-wide slices (16) exactly and several,
+    tl.topk of SHORT blocks and just past it, rows selected by groups in one slice and in several,
     padding rows."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", widths[0])
+    monkeypatch.setattr(index_topk, "GROUP_SLICES", widths[1])
     scores, seq_lens, kv_len = selection_rows(kind, torch.Generator().manual_seed(4))
     out = torch.empty(len(kv_len), HI, topk, dtype=torch.int32, device=DEVICE)
     index_topk._select_blocks(scores.to(DEVICE), seq_lens.to(DEVICE), out, 2, BS)
@@ -455,8 +464,8 @@ def test_index_sparse_attention_topk(topk):
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["bf16", "fp8"])
 def test_index_sparse_attention_several_chunks(monkeypatch, dtype):
-    """Rows longer than SHORT: the in-kernel selection keeps a running best over CHUNK-wide slices."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # SHORT = CHUNK = BLOCK_K = 4 blocks; rows of 5-14
+    """Rows longer than SHORT: the in-kernel selection goes by groups, as index_topk's pass 2."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 1)  # SHORT = BLOCK_K = 4 blocks; rows of 5-14
     gen = torch.Generator().manual_seed(12)
     meta = build_step([200, 70], 2, block_size=BS, num_blocks=NUM_BLOCKS, pad_requests=1, generator=gen).to(DEVICE)
     kv, index = poisoned_caches(meta, dtype, gen)
@@ -464,13 +473,16 @@ def test_index_sparse_attention_several_chunks(monkeypatch, dtype):
     check_index_sparse_attention(meta, 2, kv, index, q, index_q, TOPK, dtype, "chunks")
 
 
+@pytest.mark.parametrize("widths", SELECT_WIDTHS[1:], ids=lambda w: f"short{w[0]}x{w[1]}")
 @pytest.mark.parametrize("kind", ["randn", "ties", "special"])
-def test_index_sparse_attention_selection_is_index_topks(monkeypatch, kind):
+def test_index_sparse_attention_selection_is_index_topks(monkeypatch, kind, widths):
     """Fresh block scores (ties, +-0, infinities, NaN) into both paths: the in-kernel selection walks
     exactly the blocks of index_topk's pass 2, so one split gives the same bits. Rows of 0 to 46 blocks
-    over SHORT (4) and CHUNK (16) widths: rows of up to SHORT blocks take their pages (a random table)
-    from those read before the wait (PAGES_FIRST), longer rows read them after the selection."""
-    monkeypatch.setattr(index_topk, "TOPK_CHUNK", 4)
+    over the one-slice and the grouped selections: rows of up to PAGES (4) blocks take their pages (a
+    random table) from those read before the wait (PAGES_FIRST), longer rows read them after the selection."""
+    monkeypatch.setattr(index_topk, "TOPK_CHUNK", widths[0])
+    monkeypatch.setattr(index_topk, "GROUP_SLICES", widths[1])
+    monkeypatch.setattr(attention, "NEAR_PAGES", 4)
     gen = torch.Generator().manual_seed(13)
     scores, seq_lens, kv_len = selection_rows(kind, gen)
     n, width = len(kv_len), scores.shape[2]

@@ -19,7 +19,7 @@ split program of a (token, kv head) runs index_topk's ``select_blocks_row`` on i
 score row, gets the same deterministic selection (keys are unique), and walks its own share of the
 selected blocks' tiles. The repeated selection costs about what the kernel boundary and the ids'
 round trip through memory cost (BENCHMARKS.md): one launch fewer, no time gained. The block table is
-the step's metadata, so a SELECT program reads the pages of the row's first SHORT blocks before its PDL
+the step's metadata, so a SELECT program reads the pages of the row's first PAGES blocks before its PDL
 wait (``PAGES_FIRST``) and takes its selection's pages from registers: one dependent round trip fewer
 after the wait (rows of more blocks read them after the selection).
 
@@ -45,6 +45,7 @@ from .tiles import num_sms
 
 LOG2E = 1.4426950408889634
 SPLIT_CHUNK = 32  # splits merged per step of the merge kernel's loop (1-token steps have up to 32)
+NEAR_PAGES = 256  # SELECT programs read the pages of a row's first this many blocks before the PDL wait
 MAX_TILE = 64  # positions per KV tile where whole blocks would leave SMs idle (16 blocks x 4 heads at 1 token)
 _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several splits
 
@@ -56,8 +57,9 @@ def _attention_split_kernel(
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
-        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
+        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, SEL_GROUP: tl.constexpr,
+        PAGES: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+        PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -94,10 +96,10 @@ def _attention_split_kernel(
         # three instructions per value); q is RMS-normed, far inside fp16's range; p <= 1 keeps more bits.
         q = q.to(tl.float16)
     if SELECT and PAGES_FIRST:
-        # The pages of the first SHORT blocks (the step's metadata, not the indexer's output): read before
-        # the wait, so that a selection from a row of up to SHORT blocks finds its pages in registers.
-        near = tl.arange(0, SHORT)
-        near_pages = tl.load(block_table_ptr + req * stride_bt + near, mask=near < tl.minimum(nb, SHORT), other=-1)
+        # The pages of the first PAGES blocks (the step's metadata, not the indexer's output): read before
+        # the wait, so that a selection from a row of up to PAGES blocks finds its pages in registers.
+        near = tl.arange(0, PAGES)
+        near_pages = tl.load(block_table_ptr + req * stride_bt + near, mask=near < tl.minimum(nb, PAGES), other=-1)
     if PDL and not DENSE:
         # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
         # the new token's k / v come from the launch before it, complete once the indexer started, so
@@ -109,7 +111,7 @@ def _attention_split_kernel(
         # ids, -1 past min(nb, topk), so there are no repeats to skip.
         kk = tl.arange(0, BLOCK_TOPK)
         selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
-                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK)
+                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK, SEL_GROUP)
     elif not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
@@ -123,7 +125,7 @@ def _attention_split_kernel(
         # (their addresses from registers: the pipeliner can buffer them ahead, see SPLIT_LAUNCH).
         chosen = (selection >= 0) & (selection < nb)
         if SELECT and PAGES_FIRST:
-            if nb <= SHORT:
+            if nb <= PAGES:
                 pages = tl.where(chosen, tl.gather(near_pages, tl.where(chosen, selection, 0), 0), -1)
             else:
                 pages = tl.load(block_table_ptr + req * stride_bt + selection, mask=chosen, other=-1)
@@ -209,6 +211,12 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stri
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
+def near_pages(width: int, block_topk: int) -> int:
+    """PAGES: the block-table entries a SELECT program reads before its wait (rows of up to that many
+    blocks take their selection's pages from registers)."""
+    return max(block_topk, min(NEAR_PAGES, triton.next_power_of_2(width)))
+
+
 def _target_programs(device: torch.device, dense: bool) -> int:
     """Resident programs to aim for: enough to hide the latency of the scattered block loads (sparse
     steps: two per SM, each walking longer runs of tiles; dense: four)."""
@@ -287,7 +295,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
     part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     sel = scores if select else block_table if dense else block_ids  # dense: a typed stand-in, never read
     block_topk = 1 if dense else triton.next_power_of_2(topk)
-    short, chunk = topk_widths(scores.shape[2], block_topk) if select else (1, 1)
+    short, chunk, sel_group = topk_widths(scores.shape[2], block_topk) if select else (1, 1, 1)
     pdl = pdl and pdl_supported(q.device)
     _attention_split_kernel[(n, kv_heads, num_splits)](
         q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml,
@@ -295,7 +303,8 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
+        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk, SEL_GROUP=sel_group,
+        PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
         F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
         PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
         num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
@@ -356,7 +365,7 @@ def aot_specs() -> list[KernelSpec]:
     # (H, KVH, D, block size, top-k, table width): tiny preset and the real model (TP 1, 1M-token table).
     for heads, kv_heads, dim, bs, topk, width in ((8, 2, 32, 16, 4, 16), (64, 4, 128, 128, 16, 8192)):
         group = heads // kv_heads
-        short, chunk = topk_widths(width, topk)
+        short, chunk, sel_group = topk_widths(width, topk)
         for query_len in (1, 2, 4):
             for kv_t in ("*bf16", "*fp8e4nv"):
                 # Whole-block tiles run in larger sparse steps (``_tile``): the real size's fp8 one-token
@@ -376,8 +385,9 @@ def aot_specs() -> list[KernelSpec]:
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
-                         "CHUNK": chunk if select else 1, "F16": kv_t == "*fp8e4nv", "DOT_FP32": False,
-                         "PAGES_FIRST": select},
+                         "CHUNK": chunk if select else 1, "SEL_GROUP": sel_group if select else 1,
+                         "PAGES": near_pages(width, topk) if select else 1, "F16": kv_t == "*fp8e4nv",
+                         "DOT_FP32": False, "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(

@@ -12,8 +12,10 @@ Two passes:
 2. ``_index_topk_kernel``, one program per (token, head): ``select_blocks_row`` packs (score, block)
    into one sortable int64 (``topk_keys``) and keeps the best k with tl.topk. The local block (nb - 1)
    gets the largest key, so it is always chosen first. tl.topk's cost follows its width, not nb: a row
-   of up to SHORT (TOPK_CHUNK) blocks takes one SHORT-wide tl.topk, a longer row keeps a running best
-   over CHUNK-wide slices (4 x TOPK_CHUNK).
+   of up to SHORT (TOPK_CHUNK) blocks takes one SHORT-wide tl.topk; a longer row is cut into groups of
+   SHORT / k blocks, the k groups of the largest maxima are kept, and one SHORT-wide tl.topk selects
+   among their blocks (the same k keys as a tl.topk as wide as the row, for a fraction of its cost:
+   BENCHMARKS.md, twenty-first session).
 
 ``index_topk`` runs both passes (the vocabulary op). ``index_scores`` runs pass 1 alone: the fused
 decode layer's sparse attention (kernels/attention.py, ``index_sparse_attention_decode``) makes the
@@ -31,7 +33,8 @@ from .aot import KernelSpec, with_pdl_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
 
-TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide, longer rows 4x slices
+TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide; longer rows go by groups
+GROUP_SLICES = 16  # ... of which a slice of GROUP_SLICES x TOPK_CHUNK blocks is read at a time
 _INTERPRETER_PROGRAMS = 8  # keeps interpreted grids small while still exercising several splits
 
 
@@ -123,19 +126,38 @@ def topk_keys(row, blk, nb):
 
 
 @triton.jit
-def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr):
+def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
+                      GROUP: tl.constexpr):
     """The top-k selection of one (token, index head) score row of nb blocks: int32 [BLOCK_K] logical
     block ids, best first (the local block nb - 1 first), -1 from min(nb, topk) on. Keys are unique,
     so the selection is deterministic: every program that selects from the same row gets the same ids.
-    SHORT, CHUNK: tl.topk widths from ``topk_widths`` (SHORT >= BLOCK_K)."""
+    SHORT, CHUNK, GROUP: from ``topk_widths`` (SHORT = BLOCK_K * GROUP, CHUNK a multiple of SHORT)."""
     # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
-    if nb <= SHORT:
-        best = tl.topk(topk_keys(row, tl.arange(0, SHORT), nb), BLOCK_K)
-    else:
-        best = tl.full([BLOCK_K], -2147483648, tl.int32).to(tl.int64) << 32  # below every key
-        for start in range(0, nb, CHUNK):
-            cand = tl.topk(topk_keys(row, start + tl.arange(0, CHUNK), nb), BLOCK_K)
-            best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
+    blocks = tl.arange(0, SHORT)
+    if nb > SHORT:
+        # Longer rows in groups of GROUP consecutive blocks. Each of the best BLOCK_K keys lies in a group
+        # whose maximum is at least that key, and there are at most BLOCK_K such groups (keys are unique),
+        # so those keys lie in the BLOCK_K groups of largest maxima: a pass over CHUNK-wide slices keeps
+        # the best group maxima, then the one SHORT-wide tl.topk below selects among those groups' blocks.
+        # The result is the one tl.topk over the whole row would give.
+        NG: tl.constexpr = CHUNK // GROUP
+        slice_blocks = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        lead = tl.topk(tl.max(topk_keys(row, slice_blocks, nb), axis=1), BLOCK_K)  # (the first slice)
+        for start in range(CHUNK, nb, CHUNK):
+            maxima = tl.max(topk_keys(row, start + slice_blocks, nb), axis=1)
+            lead = tl.topk(tl.reshape(tl.join(lead, tl.topk(maxima, BLOCK_K)), [2 * BLOCK_K]), BLOCK_K)
+        # The kept groups' blocks, GROUP a group, in a tensor made like a short row's: the groups (distinct)
+        # are taken out of `kept` one scalar at a time, so no tensor changes layout. (A selection in the
+        # layout of the 2-D tensors above made the attention kernel walk wrong blocks on the H200 with
+        # Triton 3.6: BENCHMARKS.md, twenty-first session.)
+        kept = (lead & 0xFFFFFFFF).to(tl.int32) // GROUP
+        slot = blocks // GROUP
+        blocks = blocks % GROUP
+        for i in tl.static_range(BLOCK_K):
+            group = tl.max(kept, axis=0)
+            kept = tl.where(kept == group, -1, kept)
+            blocks += tl.where(slot == i, group * GROUP, 0)
+    best = tl.topk(topk_keys(row, blocks, nb), BLOCK_K)
     k = tl.arange(0, BLOCK_K)
     return tl.where((k < nb) & (k < topk), (best & 0xFFFFFFFF).to(tl.int32), -1)
 
@@ -144,7 +166,7 @@ def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr,
 def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
-                       PDL: tl.constexpr):
+                       GROUP: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -155,7 +177,7 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
     row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
-    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK)
+    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK, GROUP)
     k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
 
@@ -174,11 +196,12 @@ def _block_m(query_len: int, index_heads: int) -> int:
     return max(16, triton.next_power_of_2(query_len * index_heads))
 
 
-def topk_widths(width: int, block_k: int) -> tuple[int, int]:
-    """``select_blocks_row``'s tl.topk widths for score rows of ``width`` blocks and BLOCK_K = block_k:
-    (SHORT, for rows of up to SHORT blocks; CHUNK, the slices of longer rows)."""
+def topk_widths(width: int, block_k: int) -> tuple[int, int, int]:
+    """``select_blocks_row``'s widths for score rows of ``width`` blocks and BLOCK_K = block_k: (SHORT,
+    the rows of up to SHORT blocks take one tl.topk that wide; CHUNK, the slices longer rows are read in;
+    GROUP, the blocks of a group there, so that the groups of the best BLOCK_K maxima hold SHORT blocks)."""
     short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
-    return short, max(short, min(4 * TOPK_CHUNK, triton.next_power_of_2(width)))
+    return short, max(short, min(GROUP_SLICES * short, triton.next_power_of_2(width))), short // block_k
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -260,11 +283,11 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     n, heads, width = scores.shape
     topk = out.shape[2]
     block_k = triton.next_power_of_2(topk)
-    short, chunk = topk_widths(width, block_k)
+    short, chunk, group = topk_widths(width, block_k)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
-        SHORT=short, CHUNK=chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        SHORT=short, CHUNK=chunk, GROUP=group, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -283,12 +306,12 @@ def aot_specs() -> list[KernelSpec]:
                      "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False},
                     num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
-            short, chunk = topk_widths(width, block_k)
+            short, chunk, group = topk_widths(width, block_k)
             specs.append(KernelSpec(
                 _index_topk_kernel,
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
                  "stride_sh": "i32", "stride_on": "i32", "stride_oh": "i32"},
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
-                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
+                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk, "GROUP": group},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
     return with_pdl_variants(specs)
