@@ -14,12 +14,9 @@ import argparse
 import torch
 
 from minimax_ops.bench import _time, copy_bandwidth
-from minimax_ops.config import preset
 from minimax_ops.formats import FMT_MXFP8_MMA
 from minimax_ops.kernels.linear_mma import mma_linear
-from minimax_ops.weights import random_layer_weights, to_kernel_layout
-
-CONFIG = preset("real").replace(num_local_experts=4, num_experts_per_tok=2)  # (the GEMVs are the real ones)
+from sweep_mma_linear import CONFIG, _weights  # (benchmarks/ is on the path of a script run from it)
 
 
 def main() -> None:
@@ -28,9 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     counts = [int(c) for c in args.copies.split(",")]
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    layers = [to_kernel_layout(random_layer_weights(CONFIG, 3, linear_format="mxfp8", expert_format="mxfp8",
-                                                    generator=gen, device=device)) for _ in range(max(counts))]
+    layers = _weights(max(counts), device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size / 2**20
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_bandwidth(device) / 1e12:.2f} TB/s, L2 {l2:.0f} MiB")
     print("| GEMV | MB | weight copies a graph | us per call | TB/s |")

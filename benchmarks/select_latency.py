@@ -32,7 +32,7 @@ SLICE = 1024  # the slices' widest tl.topk
 
 @triton.jit
 def _select_kernel(scores_ptr, ids_ptr, nb, topk, stride_row, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SHORT: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+                   SHORT: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -48,7 +48,7 @@ def _select_kernel(scores_ptr, ids_ptr, nb, topk, stride_row, MODE: tl.constexpr
             best = tl.topk(tl.reshape(tl.join(best, cand), [2 * BLOCK_K]), BLOCK_K)
         ids = tl.where((k < nb) & (k < topk), (best & 0xFFFFFFFF).to(tl.int32), -1)
     else:
-        ids = select_blocks_row(row, nb, topk, BLOCK_K, SHORT, CHUNK, GROUP)
+        ids = select_blocks_row(row, nb, topk, BLOCK_K, SHORT, CHUNK)
     tl.store(ids_ptr + pid * BLOCK_K + k, ids)
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         width = triton.next_power_of_2(nb)
         g = torch.Generator(device="cuda").manual_seed(nb)
         scores = torch.randn(progs, width, device="cuda", generator=g)
-        variants = [("none", 0, (1, 1, 1)), ("slices", 1, (1, min(SLICE, width), 1)),
+        variants = [("none", 0, (1, 1)), ("slices", 1, (1, min(SLICE, width))),
                     ("select", 2, topk_widths(width, topk))]
         saved = index_topk.TOPK_CHUNK
         for s in (int(s) for s in args.shorts.split(",") if s):
@@ -77,13 +77,13 @@ def main() -> None:
             variants.append((f"select {s}", 2, topk_widths(width, topk)))
         index_topk.TOPK_CHUNK = saved
         outs, base = {}, None
-        for name, mode, (short, chunk, group) in variants:
+        for name, mode, (short, chunk) in variants:
             out = torch.empty(progs, topk, dtype=torch.int32, device="cuda")
 
-            def run(mode=mode, out=out, short=short, chunk=chunk, group=group):
+            def run(mode=mode, out=out, short=short, chunk=chunk):
                 for i in range(args.kernels):
                     _select_kernel[(progs,)](scores, out, nb, topk, scores.stride(0), MODE=mode, BLOCK_K=topk,
-                                             SHORT=short, CHUNK=chunk, GROUP=group, PDL=True, num_warps=4,
+                                             SHORT=short, CHUNK=chunk, PDL=True, num_warps=4,
                                              launch_pdl=i > 0)
             run()
             torch.cuda.synchronize()
@@ -91,6 +91,7 @@ def main() -> None:
             same = "-" if mode == 0 else str(bool(torch.equal(out, outs["slices"])))
             t = _time(run, graph=True) / args.kernels
             base = t if mode == 0 else base
+            group = max(1, short // topk) if mode == 2 else 1
             print(f"| {nb} | {name} | {short} / {chunk} / {group} | {t:.2f} | {t - base:+.2f} | {same} |", flush=True)
 
 

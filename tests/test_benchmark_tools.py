@@ -102,8 +102,8 @@ def test_ab_short_knob_patches_topk_width_and_restores(tools):
     from minimax_ops.kernels import index_topk
     base = index_topk.TOPK_CHUNK
     with ab._Env({"SHORT": "1024"}):
-        assert index_topk.topk_widths(1024, 16) == (1024, 1024, 64)
-    assert index_topk.TOPK_CHUNK == base and index_topk.topk_widths(1024, 16) == (base, 1024, base // 16)
+        assert index_topk.topk_widths(1024, 16) == (1024, 1024)
+    assert index_topk.TOPK_CHUNK == base and index_topk.topk_widths(1024, 16) == (base, 1024)
 
 
 def test_stage_removal_hooks(tools, monkeypatch):

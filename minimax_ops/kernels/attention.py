@@ -57,9 +57,8 @@ def _attention_split_kernel(
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
-        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, SEL_GROUP: tl.constexpr,
-        PAGES: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-        PAGES_FIRST: tl.constexpr = False):
+        SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, PAGES: tl.constexpr, F16: tl.constexpr,
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -111,7 +110,7 @@ def _attention_split_kernel(
         # ids, -1 past min(nb, topk), so there are no repeats to skip.
         kk = tl.arange(0, BLOCK_TOPK)
         selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
-                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK, SEL_GROUP)
+                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK)
     elif not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
@@ -295,7 +294,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
     part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     sel = scores if select else block_table if dense else block_ids  # dense: a typed stand-in, never read
     block_topk = 1 if dense else triton.next_power_of_2(topk)
-    short, chunk, sel_group = topk_widths(scores.shape[2], block_topk) if select else (1, 1, 1)
+    short, chunk = topk_widths(scores.shape[2], block_topk) if select else (1, 1)
     pdl = pdl and pdl_supported(q.device)
     _attention_split_kernel[(n, kv_heads, num_splits)](
         q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml,
@@ -303,7 +302,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
         QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk, SEL_GROUP=sel_group,
+        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
         PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
         F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
         PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
@@ -365,7 +364,7 @@ def aot_specs() -> list[KernelSpec]:
     # (H, KVH, D, block size, top-k, table width): tiny preset and the real model (TP 1, 1M-token table).
     for heads, kv_heads, dim, bs, topk, width in ((8, 2, 32, 16, 4, 16), (64, 4, 128, 128, 16, 8192)):
         group = heads // kv_heads
-        short, chunk, sel_group = topk_widths(width, topk)
+        short, chunk = topk_widths(width, topk)
         for query_len in (1, 2, 4):
             for kv_t in ("*bf16", "*fp8e4nv"):
                 # Whole-block tiles run in larger sparse steps (``_tile``): the real size's fp8 one-token
@@ -385,9 +384,8 @@ def aot_specs() -> list[KernelSpec]:
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
-                         "CHUNK": chunk if select else 1, "SEL_GROUP": sel_group if select else 1,
-                         "PAGES": near_pages(width, topk) if select else 1, "F16": kv_t == "*fp8e4nv",
-                         "DOT_FP32": False, "PAGES_FIRST": select},
+                         "CHUNK": chunk if select else 1, "PAGES": near_pages(width, topk) if select else 1,
+                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(

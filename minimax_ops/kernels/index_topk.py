@@ -126,20 +126,20 @@ def topk_keys(row, blk, nb):
 
 
 @triton.jit
-def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
-                      GROUP: tl.constexpr):
+def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr):
     """The top-k selection of one (token, index head) score row of nb blocks: int32 [BLOCK_K] logical
     block ids, best first (the local block nb - 1 first), -1 from min(nb, topk) on. Keys are unique,
     so the selection is deterministic: every program that selects from the same row gets the same ids.
-    SHORT, CHUNK, GROUP: from ``topk_widths`` (SHORT = BLOCK_K * GROUP, CHUNK a multiple of SHORT)."""
+    SHORT, CHUNK: from ``topk_widths`` (SHORT a multiple of BLOCK_K, CHUNK of SHORT)."""
     # tl.topk's cost follows its width, not nb: the narrow one for rows that fit it.
     blocks = tl.arange(0, SHORT)
     if nb > SHORT:
-        # Longer rows in groups of GROUP consecutive blocks. Each of the best BLOCK_K keys lies in a group
+        # Longer rows in groups of GROUP = SHORT / BLOCK_K consecutive blocks. Each of the best BLOCK_K keys lies in a group
         # whose maximum is at least that key, and there are at most BLOCK_K such groups (keys are unique),
         # so those keys lie in the BLOCK_K groups of largest maxima: a pass over CHUNK-wide slices keeps
         # the best group maxima, then the one SHORT-wide tl.topk below selects among those groups' blocks.
         # The result is the one tl.topk over the whole row would give.
+        GROUP: tl.constexpr = SHORT // BLOCK_K
         NG: tl.constexpr = CHUNK // GROUP
         slice_blocks = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         lead = tl.topk(tl.max(topk_keys(row, slice_blocks, nb), axis=1), BLOCK_K)  # (the first slice)
@@ -166,7 +166,7 @@ def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr,
 def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, stride_on, stride_oh,
                        QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr,
-                       GROUP: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
@@ -177,7 +177,7 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
     nb = tl.cdiv(tl.maximum(kv_len, 0), BLOCK_SIZE)  # padding rows: nb = 0 -> all -1
     row = scores_ptr + tok.to(tl.int64) * stride_sn + head * stride_sh
-    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK, GROUP)
+    ids = select_blocks_row(row, nb, TOPK, BLOCK_K, SHORT, CHUNK)
     k = tl.arange(0, BLOCK_K)
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
 
@@ -196,12 +196,12 @@ def _block_m(query_len: int, index_heads: int) -> int:
     return max(16, triton.next_power_of_2(query_len * index_heads))
 
 
-def topk_widths(width: int, block_k: int) -> tuple[int, int, int]:
+def topk_widths(width: int, block_k: int) -> tuple[int, int]:
     """``select_blocks_row``'s widths for score rows of ``width`` blocks and BLOCK_K = block_k: (SHORT,
-    the rows of up to SHORT blocks take one tl.topk that wide; CHUNK, the slices longer rows are read in;
-    GROUP, the blocks of a group there, so that the groups of the best BLOCK_K maxima hold SHORT blocks)."""
+    the rows of up to SHORT blocks take one tl.topk that wide, longer ones go by groups of SHORT / BLOCK_K
+    blocks; CHUNK, the slices longer rows are read in)."""
     short = max(block_k, min(TOPK_CHUNK, triton.next_power_of_2(width)))
-    return short, max(short, min(GROUP_SLICES * short, triton.next_power_of_2(width))), short // block_k
+    return short, max(short, min(GROUP_SLICES * short, triton.next_power_of_2(width)))
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -283,11 +283,11 @@ def _select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tens
     n, heads, width = scores.shape
     topk = out.shape[2]
     block_k = triton.next_power_of_2(topk)
-    short, chunk, group = topk_widths(width, block_k)
+    short, chunk = topk_widths(width, block_k)
     _index_topk_kernel[(n * heads,)](
         scores, seq_lens, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         QUERY_LEN=query_len, INDEX_HEADS=heads, BLOCK_SIZE=block_size, TOPK=topk, BLOCK_K=block_k,
-        SHORT=short, CHUNK=chunk, GROUP=group, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        SHORT=short, CHUNK=chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def aot_specs() -> list[KernelSpec]:
@@ -306,12 +306,12 @@ def aot_specs() -> list[KernelSpec]:
                      "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False},
                     num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
-            short, chunk, group = topk_widths(width, block_k)
+            short, chunk = topk_widths(width, block_k)
             specs.append(KernelSpec(
                 _index_topk_kernel,
                 {"scores_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*i32", "stride_sn": "i32",
                  "stride_sh": "i32", "stride_on": "i32", "stride_oh": "i32"},
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
-                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk, "GROUP": group},
+                 "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
     return with_pdl_variants(specs)
