@@ -5,8 +5,9 @@ sparse MoE layer at TP 1, fp8 KV + index caches, as ``python -m minimax_ops benc
         [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline] [--layers 1]
 
 Besides environment variables a variant may set the mxfp4_mma expert tiles of every step size
-(kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired`` and ``W2=depth/prefetch/split/cap`` (cap:
-ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix),
+(kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired[/ring]`` and ``W2=depth/prefetch/split/cap[/ring]``
+(cap: ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix;
+ring: load steps held in registers, 2 or 3, 2 if left out),
 ``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables, the mxfp8_mma GEMV tiles (qkv, o_proj):
 ``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
 router's tile: ``ROUTER=experts/H``, the sparse attention's split launch: ``ATTN=programs per SM/pipeline
@@ -66,11 +67,11 @@ def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> Non
     for key in ((fp8, True), (fp8, False)):
         t13, t2, paired = _BASE_EXPERT_TILES[key]
         if w13:
-            d, pf, sp, cap, pr = map(int, w13.split("/"))
-            t13, paired = (t13[0], d, pf, sp, cap), bool(pr)
+            d, pf, sp, cap, pr, *ring = map(int, w13.split("/"))
+            t13, paired = (t13[0], d, pf, sp, cap, *ring), bool(pr)
         if w2:
-            d, pf, sp, cap = map(int, w2.split("/"))
-            t2 = (t2[0], d, pf, sp, cap)
+            d, pf, sp, cap, *ring = map(int, w2.split("/"))
+            t2 = (t2[0], d, pf, sp, cap, *ring)
         tiles._MMA_EXPERT_TILES[key] = (t13, t2, paired)
     tiles.mma_expert_tiles.cache_clear()
 

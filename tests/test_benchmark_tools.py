@@ -67,8 +67,8 @@ def test_ab_gemv_knobs_patch_one_gemv_and_restore(tools, monkeypatch):
 
 
 def test_ab_expert_knobs_patch_one_format_and_restore(tools):
-    """W2= sets the mxfp4_mma expert tiles of every step size only, W13F8= the mxfp8_mma ones only; both
-    come back after the variant."""
+    """W2= sets the mxfp4_mma expert tiles of every step size only (a sixth field the load steps held in
+    registers, 2 without it), W13F8= the mxfp8_mma ones only; both come back after the variant."""
     ab = tools("ab_fused")
     from minimax_ops.kernels.tiles import mma_expert_tiles
 
@@ -76,14 +76,15 @@ def test_ab_expert_knobs_patch_one_format_and_restore(tools):
         return [mma_expert_tiles(k, w13, fp8=fp8, one_token=one) for k, w13 in ((6144, True), (3072, False))
                 for fp8 in (False, True) for one in (False, True)]
     base = tiles()
-    with ab._Env({"W2": "1/2/2/96", "W13F8": "1/0/3/64/0"}):
-        now = tiles()
-        for one in (0, 1):
-            assert (now[4 + one].k_chunks, now[4 + one].num_stages, now[4 + one].split,
-                    now[4 + one].max_registers) == (1, 3, 2, 96)  # mxfp4 w2
-            assert (now[2 + one].k_chunks, now[2 + one].split, now[2 + one].max_registers) == (1, 3, 64)  # mxfp8 w13
-        assert now[:2] == base[:2] and now[6:] == base[6:]
-    assert tiles() == base
+    for w2, ring in (("1/2/2/96", 2), ("1/2/2/96/3", 3)):
+        with ab._Env({"W2": w2, "W13F8": "1/0/3/64/0"}):
+            now = tiles()
+            for one in (0, 1):
+                assert (now[4 + one].k_chunks, now[4 + one].num_stages, now[4 + one].split,
+                        now[4 + one].max_registers, now[4 + one].ring) == (1, 3, 2, 96, ring)  # mxfp4 w2
+                assert (now[2 + one].k_chunks, now[2 + one].split, now[2 + one].max_registers) == (1, 3, 64)  # mxfp8 w13
+            assert now[:2] == base[:2] and now[6:] == base[6:]
+        assert tiles() == base
 
 
 def test_ab_attention_knob_patches_split_launch_and_restores(tools):

@@ -19,7 +19,7 @@ from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, lo
                                  unpack_e2m1, unpack_mxfp8_words, weight_layout)
 from minimax_ops.kernels.expert_slots import build_slot_table
 from minimax_ops.kernels.moe import moe_experts
-from minimax_ops.kernels.tiles import mma_expert_tiles
+from minimax_ops.kernels.tiles import mma_expert_tiles, portable_mma_tiles
 from minimax_ops.weights import to_kernel_layout
 from utils import rel_err
 
@@ -312,6 +312,49 @@ def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
         out, two_streams = streams[True], streams[False]
         assert rel_err(out, want) < 1.5e-2, (depth, warps)
         assert rel_err(out, two_streams) < 5e-3, (depth, warps)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", pytest.param("mxfp8", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: slow to emulate (the ring is format-independent code)"))])
+def test_moe_three_step_ring(fmt, device, monkeypatch):
+    """Three load steps held in registers, x loaded at each product (ExpertTiles.ring 3, block_stream's
+    RING: the one-token w2's tiles), in both kernels: 4 and 5 steps (a loop turn, then one or two
+    steps), the paired w13, w2's preloaded first step; on CUDA also 2 and 1 steps (no turn), more
+    tokens and two token groups on one stream (MXFP8, fixed groups). Against the reference and the
+    two-step ring."""
+    from minimax_ops.kernels import moe_mma
+    monkeypatch.setattr(moe_mma, "portable_mma_tiles", lambda t: t)
+    torch.manual_seed(61)
+    hidden, inter = 256, 320  # 4 and 5 K blocks
+    fp8 = fmt == "mxfp8"
+    canonical, mma = _tables(device, inter_shared=inter, fmt=fmt, hidden=hidden, inter=inter)
+    base13, base2 = mma_expert_tiles(hidden, True, fp8=fp8), mma_expert_tiles(inter, False, fp8=fp8)
+    tokens = (1, 3, 12) if device == "cuda" else (1,)
+    if fp8 and device == "cuda":
+        monkeypatch.setenv("MINIMAX_OPS_NO_COMPACT", "1")  # 12 tokens: two groups on one weight stream
+    for n in tokens:
+        h = torch.randn(n, hidden, device=device).bfloat16()
+        ids, weights = _routing(n, device)
+        want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
+        for s13, s2 in ((1, 1), (2, 5))[:2 if device == "cuda" else 1]:  # K splits: w13 4 / 2 steps, w2 5 / 1
+            t13 = dataclasses.replace(base13, split=s13, k_chunks=1, num_warps=1, num_stages=1)
+            t2 = dataclasses.replace(base2, split=s2, k_chunks=1, num_warps=1, num_stages=1)
+            two = moe_experts(h, ids, weights, *mma, num_routed_experts=E,
+                              tiles=(dataclasses.replace(t13, ring=2), dataclasses.replace(t2, ring=2)))
+            out = moe_experts(h, ids, weights, *mma, num_routed_experts=E,
+                              tiles=(dataclasses.replace(t13, ring=3), dataclasses.replace(t2, ring=3)))
+            assert rel_err(out, want) < 1.5e-2, (n, t13, t2)
+            assert rel_err(out, two) < 1e-5, (n, t13, t2)
+
+
+def test_one_token_w2_holds_three_steps():
+    """The table's one-token w2 tiles take the three-step ring in both formats; larger steps and w13
+    the plain one; the portable tiles always the plain one."""
+    for fp8 in (False, True):
+        assert mma_expert_tiles(3072, False, fp8=fp8, one_token=True).ring == 3
+        assert mma_expert_tiles(3072, False, fp8=fp8).ring == 2
+        assert mma_expert_tiles(6144, True, fp8=fp8, one_token=True).ring == 2
+        assert portable_mma_tiles(mma_expert_tiles(3072, False, fp8=fp8, one_token=True)).ring == 2
 
 
 @pytest.mark.parametrize("fmt, shared", [("mxfp4", "separate"), ("mxfp4", "table"), ("mxfp8", "table")])

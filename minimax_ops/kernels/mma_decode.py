@@ -328,14 +328,22 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, step, n_steps, DE
     re-reads it, so no load needs a mask): the weight blocks (words, FP8's second words, scales;
     with PAIR the second stream's too, otherwise the first's again) and the x pairs of one or two
     token groups."""
+    w, w_hi, s, u, u_hi, us = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR)
+    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, tl.minimum(step, n_steps - 1) * DEPTH, GROUPS)
+    return w, w_hi, s, u, u_hi, us, x0, x1, y0, y1
+
+
+@triton.jit
+def _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
+                  PAIR: tl.constexpr):
+    """The weight blocks of ``_load_step`` alone."""
     k = tl.minimum(step, n_steps - 1) * DEPTH
     w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8)
     if PAIR:
         u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8)
     else:
         u, u_hi, us = w, w_hi, s
-    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, k, GROUPS)
-    return w, w_hi, s, u, u_hi, us, x0, x1, y0, y1
+    return w, w_hi, s, u, u_hi, us
 
 
 @triton.jit
@@ -379,6 +387,26 @@ def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.con
 
 
 @triton.jit
+def _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps,
+                       PREFETCH: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr, PAIR: tl.constexpr):
+    """The three-step ring's load of step ``step``'s weights, after its L2 prefetch of the step
+    PREFETCH - 1 beyond (as the two-step ring orders them)."""
+    if PREFETCH > 0:
+        _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step - 1 + PREFETCH, n_steps, DEPTH, FP8, PAIR)
+    return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR)
+
+
+@triton.jit
+def _late_x_product(acc, acc2, w, w_hi, s, u, u_hi, us, x_ptrs, y_ptrs, step, NW: tl.constexpr, DEPTH: tl.constexpr,
+                    PTX: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr,
+                    HALVES: tl.constexpr):
+    """_step_product of load step ``step`` with its x pairs loaded here (block_stream's RING 3)."""
+    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, step * DEPTH, GROUPS)
+    return _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW * DEPTH, PTX, FP8, GROUPS, PAIR,
+                         HALVES)
+
+
+@triton.jit
 def _halves(t, R: tl.constexpr):
     """Fragment-order [2R, 4] -> rows [0, R) and [R, 2R), i.e. depths d < D/2 and d >= D/2: each
     thread's own registers (no data moves)."""
@@ -390,7 +418,7 @@ def _halves(t, R: tl.constexpr):
 def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
                  SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None):
+                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
@@ -408,12 +436,15 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     follow each other, 128 words apart; 256 for FP8 = mxfp8_mma); s_rows: uint8 pointer to its first
     scale byte (32 a block); x_rows / y_rows: int32 pointer to the K-block-0 pair of the lane's
     token row (token g of its group; any readable row for tokens that take no part: their columns
-    are never stored). DEPTH blocks are loaded per step, the next step's while this one is
-    multiplied (registers, no shared memory); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is
+    are never stored). DEPTH blocks are loaded per step, the next steps' while this one is
+    multiplied (registers, no shared memory: RING below); with PREFETCH > 0 (CUDA) the step PREFETCH ahead is
     asked into L2 first, so those register loads wait on L2 rather than DRAM latency
     (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``).
     PRELOADED: ``first`` holds step 0's weights (``first_blocks``, one stream), read by the caller
-    before its PDL wait; the same for every pass over the token groups (the K range is the pass's)."""
+    before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
+    RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
+    one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
+    its product, so the third step takes their registers (ExpertTiles.ring)."""
     tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
     tl.static_assert(not (PAIR and PRELOADED), "block_stream: a preloaded first step is one stream's")
     HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH
@@ -425,31 +456,60 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     if PREFETCH > 0 and not SKIP_PREFETCH:
         for p in tl.static_range(PREFETCH):
             _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, p, n_steps, DEPTH, FP8, PAIR)
+    tl.static_assert(RING == 2 or RING == 3, "block_stream: RING is 2 or 3 steps")
     if PRELOADED:
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
-        xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
-    else:
+        if RING == 2:
+            xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
+    elif RING == 2:
         wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, 0,
                                                                   n_steps, DEPTH, FP8, GROUPS, PAIR)
-    for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
-        if PREFETCH > 0:
-            _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + PREFETCH, n_steps, DEPTH, FP8,
-                              PAIR)
-        wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
-                                                                  2 * it + 1, n_steps, DEPTH, FP8, GROUPS, PAIR)
-        acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
-                                  GROUPS, PAIR, HALVES)
-        if PREFETCH > 0:
-            _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + 1 + PREFETCH, n_steps, DEPTH,
-                              FP8, PAIR)
-        wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
-                                                                  2 * it + 2, n_steps, DEPTH, FP8, GROUPS, PAIR)
-        acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
-                                  GROUPS, PAIR, HALVES)
-    if n_steps % 2:
-        acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
-                                  GROUPS, PAIR, HALVES)
+    else:
+        wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR)
+    if RING == 2:
+        for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
+            if PREFETCH > 0:
+                _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + PREFETCH, n_steps, DEPTH, FP8,
+                                  PAIR)
+            wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
+                                                                      2 * it + 1, n_steps, DEPTH, FP8, GROUPS, PAIR)
+            acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
+                                      GROUPS, PAIR, HALVES)
+            if PREFETCH > 0:
+                _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + 1 + PREFETCH, n_steps, DEPTH,
+                                  FP8, PAIR)
+            wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
+                                                                      2 * it + 2, n_steps, DEPTH, FP8, GROUPS, PAIR)
+            acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
+                                      GROUPS, PAIR, HALVES)
+        if n_steps % 2:
+            acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
+                                      GROUPS, PAIR, HALVES)
+    else:
+        # Three steps a turn, two in flight while the third is multiplied; the x pairs are loaded at
+        # their product (L1 / L2 hits), so the third step's weights take their registers.
+        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR)
+        for it in range(n_steps // 3):
+            wc, hc, sc, uc, uhc, usc = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
+                                                          3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+            acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, 3 * it, NW, DEPTH, PTX,
+                                        FP8, GROUPS, PAIR, HALVES)
+            wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
+                                                          3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+            acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, 3 * it + 1, NW, DEPTH,
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
+            wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
+                                                          3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+            acc, acc2 = _late_x_product(acc, acc2, wc, hc, sc, uc, uhc, usc, x_ptrs, y_ptrs, 3 * it + 2, NW, DEPTH,
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
+        done = n_steps // 3 * 3
+        if n_steps - done >= 1:
+            acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, done, NW, DEPTH, PTX,
+                                        FP8, GROUPS, PAIR, HALVES)
+        if n_steps - done == 2:
+            acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, done + 1, NW, DEPTH,
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
     return acc, acc2
 
 

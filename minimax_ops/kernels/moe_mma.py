@@ -13,7 +13,8 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   steps also split H in two: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
   already at 3+ programs per SM) and paired token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
-  fp32 for the split's K blocks; moe.py's combine sums the splits.
+  fp32 for the split's K blocks; moe.py's combine sums the splits. One-token steps hold three of its
+  load steps in registers (``RING``, ExpertTiles.ring), the others two.
 Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
@@ -201,7 +202,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr):
+                    TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
+                    RING: tl.constexpr = 2):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -248,19 +250,20 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                 if PAIRED:  # gate and up blocks of each K block in one stream, on one set of x loads
                     zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
                     gate, up = block_stream(zp, zp, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
-                                            PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s)
+                                            PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s,
+                                            RING=RING)
                     gate2, up2 = zero, zero  # (unused: PAIRED passes take one token group, both is False)
                 elif both:
                     y_rows = h_ptr + tl.maximum(tok_y, 0).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2)
+                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2, RING=RING)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8, GROUPS=2)
+                                           PREFETCH, FP8, GROUPS=2, RING=RING)
                 else:
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8)
+                                               DEPTH, PTX, PREFETCH, FP8, RING=RING)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8)
+                                           PREFETCH, FP8, RING=RING)
                 if PDL:
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
@@ -297,7 +300,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
-                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr):
+                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
@@ -339,10 +342,10 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                     y_rows = (a_ptr + tl.maximum(tok_b, 0).to(tl.int64) * stride_am
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0)
+                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0)
+                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -429,7 +432,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
         PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),
-        **common)
+        RING=t13.ring, **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -438,6 +441,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
         NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+        RING=t2.ring,
         num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
 
@@ -513,7 +517,8 @@ def aot_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(
                 _mma_w13_kernel, sig13,
                 dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
-                     SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired, TABLE=table),
+                     SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired, TABLE=table,
+                     RING=t13.ring),
                 num_warps=t13.num_warps, num_stages=1, targets=targets,
                 name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}"
                      f"{'_table' if table else ''}",
@@ -523,9 +528,10 @@ def aot_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(
                 _mma_w2_kernel, sig2,
                 dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                     PRELOAD=preload, TABLE=table),
+                     PRELOAD=preload, TABLE=table, RING=t2.ring),
                 num_warps=t2.num_warps, num_stages=1, targets=targets if w2_targets is None else w2_targets,
-                name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}", max_registers=t2.max_registers))
+                name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}{'_ring3' if t2.ring == 3 else ''}",
+                max_registers=t2.max_registers))
 
     small, real = AOT_SIZES
     for fp8, n_tokens in itertools.product((False, True), (1, 16)):

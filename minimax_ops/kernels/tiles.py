@@ -113,6 +113,7 @@ class ExpertTiles:
     fma: bool = False  # one-token step: CUDA-core multiply-adds, one token row at a time
     max_registers: int = 0  # ptxas register cap of the mma-layout kernels' PTX launch (0: the compiler's choice)
     paired: bool = False  # mma-layout w13: each K block's gate and up blocks in one stream (moe_mma's PAIRED)
+    ring: int = 2  # mma-layout kernels: load steps held in registers (mma_decode.block_stream's RING, 2 or 3)
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -177,12 +178,13 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # per SM), 2 blocks a step (4 measured slower at one token in the seventeenth session).
 # mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two, gate then
 # up, both kernels at 128 registers (4 programs per SM).
-_MXFP8_EXPERT_TILES = ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False)  # every step size
+# One-token w2 (both formats) holds three load steps in registers, x loaded at each product (block_stream's
+# RING 3; twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs).
 _MMA_EXPERT_TILES = {
-    (False, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), True),
+    (False, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), True),
     (False, False): ((4, 2, 0, 1, 128), (4, 2, 0, 1, 128), True),
-    (True, True): _MXFP8_EXPERT_TILES,
-    (True, False): _MXFP8_EXPERT_TILES,
+    (True, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), False),
+    (True, False): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False),
 }
 
 
@@ -225,25 +227,26 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps row
     blocks per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks;
     per matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
-    distance."""
+    distance, ring the load steps held in registers (a table entry's optional sixth field, else 2)."""
     w13_tiles, w2_tiles, paired = _MMA_EXPERT_TILES[(fp8, one_token)]
-    warps, depth, prefetch, split, max_registers = w13_tiles if w13 else w2_tiles
+    warps, depth, prefetch, split, max_registers, *ring = w13_tiles if w13 else w2_tiles
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
         split -= 1
     return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
-                       max_registers=max_registers, paired=w13 and paired)
+                       max_registers=max_registers, paired=w13 and paired, ring=(ring or [2])[0])
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
     """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program,
-    one block per step, no L2 prefetch and no register cap (its whole-tensor intermediates, and its
-    compile time, grow with the first two; the prefetch and the cap are PTX's). The splits stay: they
-    divide K whatever the depth."""
+    one block per step, no L2 prefetch, no register cap and the plain ring of two load steps (its
+    whole-tensor intermediates, and its compile time, grow with the first two; the prefetch, the cap
+    and the ring's register budget are PTX's). The splits stay: they divide K whatever the depth."""
     if isinstance(t, MmaLinearTiles):
         return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0, max_registers=0)
-    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1, max_registers=0)  # stages: 1 + prefetch
+    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1, max_registers=0,
+                               ring=2)  # stages: 1 + prefetch
 
 
 def register_cap(t: ExpertTiles | MmaLinearTiles) -> dict:
