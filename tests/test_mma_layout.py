@@ -58,6 +58,18 @@ def test_round_trip_and_logical_shape(lead, fmt):
     assert torch.equal(dequantize(mw, ms, rank), dequantize(w, s))
 
 
+def test_mxfp4_diagnostic_halves_keep_their_half():
+    """MINIMAX_OPS_DIAG_MXFP4's block products (benchmarks only): decode_only keeps every decode
+    instruction and no mma, mma_only the four mma and no decode; both read every operand."""
+    from minimax_ops.kernels.mma_decode import _mxfp4_block_ptx
+    full, decode, mma = (_mxfp4_block_ptx(p) for p in ("", "decode_only", "mma_only"))
+    assert full.count("mma.sync") == 4 and full.count("mul.rn.bf16x2") == 16
+    assert decode.count("mma.sync") == 0 and decode.count("mul.rn.bf16x2") == 16
+    assert mma.count("mma.sync") == 4 and mma.count("mul.rn.bf16x2") == 0 and "prmt" not in mma
+    for text in (full, decode, mma):
+        assert all(f"${i}" in text for i in range(21)), text
+
+
 def test_fp8_value_positions_and_bit_decode():
     """mxfp8_mma: value (row 16b + 8h + g, K 64kb + 32q + 8c + 4jj + v) sits in word
     128q + 4(4g + c) + 2jj + h of block (b, kb), value v; scale byte 4g + 2h + q (+ 120). The

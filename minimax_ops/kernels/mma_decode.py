@@ -38,12 +38,18 @@ import triton.language as tl
 from .mx_decode import bf16_halves, mxfp4_word_pairs, mxfp4_words_ptx
 
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
-# Diagnostic only (wrong numerics): blocks folded into the accumulator with XORs and converts instead of
-# decoded and multiplied, the loads kept; MINIMAX_OPS_DIAG_NO_DECODE=1 (or mxfp4): mxfp4_mma blocks, mxfp8:
-# mxfp8_mma blocks, all: both. Read once per process (benchmarks: what the decode costs).
+# Diagnostics only (wrong numerics), read once per process (benchmarks: what the decode and the mma cost).
+# MINIMAX_OPS_DIAG_NO_DECODE: blocks folded into the accumulator with XORs and converts instead of decoded
+# and multiplied, the loads kept; 1 (or mxfp4): mxfp4_mma blocks, mxfp8: mxfp8_mma blocks, all: both.
+# MINIMAX_OPS_DIAG_MXFP4: one half of the mxfp4_mma block product kept: decode_only (the words decoded, the
+# mma replaced by three lop3 a word folding its operands into the accumulators), mma_only (the mma on the
+# raw words and scale bytes, no decode).
 _DIAG = os.environ.get("MINIMAX_OPS_DIAG_NO_DECODE", "")
 DIAG_NO_DECODE = tl.constexpr(_DIAG in ("1", "mxfp4", "all"))
 DIAG_NO_DECODE_FP8 = tl.constexpr(_DIAG in ("mxfp8", "all"))
+_DIAG_MXFP4 = os.environ.get("MINIMAX_OPS_DIAG_MXFP4", "")
+if _DIAG_MXFP4 not in ("", "decode_only", "mma_only"):
+    raise ValueError(f"MINIMAX_OPS_DIAG_MXFP4: expected decode_only or mma_only, got {_DIAG_MXFP4!r}")
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
 # group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 the lane's 4 biased
@@ -52,9 +58,17 @@ DIAG_NO_DECODE_FP8 = tl.constexpr(_DIAG in ("mxfp8", "all"))
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
 
 
-def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str) -> str:
-    """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma."""
-    return mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi)) + _MMA.format(b0=b0, b1=b1, c=c)
+def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = "") -> str:
+    """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma
+    (``part``: the diagnostics' halves, see MINIMAX_OPS_DIAG_MXFP4)."""
+    if part == "mma_only":
+        return f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n" + _MMA.format(b0=b0, b1=b1, c=c)
+    decode = mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi))
+    if part == "decode_only":
+        first = "" if c == _ACC else "mov.b32 $0, $17;\nmov.b32 $1, $18;\nmov.b32 $2, $19;\nmov.b32 $3, $20;\n"
+        return (decode + first + f"lop3.b32 $0, $0, a0, a1, 0x96;\nlop3.b32 $1, $1, a2, a3, 0x96;\n"
+                f"lop3.b32 $2, $2, {b0}, {b1}, 0x96;\n")
+    return decode + _MMA.format(b0=b0, b1=b1, c=c)
 
 
 _SCALES = """mov.b32 z, 0;
@@ -69,14 +83,20 @@ shl.b32 s3, s3, 7;
 """
 _ACC_IN = "$17, $18, $19, $20"
 _ACC = "$0, $1, $2, $3"
-MMA_BLOCK_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + _SCALES
-    # group 0 (k-steps 0, 1): row g scale s0, row g + 8 scale s2; group 1: s1, s3
-    + _decode_mma(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN)
-    + _decode_mma(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC)
-    + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC)
-    + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC)
-    + "}")
+
+
+def _mxfp4_block_ptx(part: str = "") -> str:
+    """The mxfp4_mma block product's PTX (``part``: a diagnostic's half, see MINIMAX_OPS_DIAG_MXFP4)."""
+    return ("{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + ("" if part == "mma_only" else _SCALES)
+            # group 0 (k-steps 0, 1): row g scale s0, row g + 8 scale s2; group 1: s1, s3
+            + _decode_mma(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN, part=part)
+            + _decode_mma(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC, part=part)
+            + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC, part=part)
+            + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC, part=part)
+            + "}")
+
+
+MMA_BLOCK_PTX = tl.constexpr(_mxfp4_block_ptx(_DIAG_MXFP4))
 
 
 # mxfp8_mma: $4..$7 the lane's words of k-steps 0, 1 (row g, row g + 8, row g, row g + 8), $8..$11
