@@ -62,7 +62,8 @@ def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = 
     """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma
     (``part``: the diagnostics' halves, see MINIMAX_OPS_DIAG_MXFP4)."""
     if part == "mma_only":
-        return f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n" + _MMA.format(b0=b0, b1=b1, c=c)
+        raw = f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n"
+        return raw + _MMA.format(b0=b0, b1=b1, c=c)
     decode = mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi))
     if part == "decode_only":
         first = "" if c == _ACC else "mov.b32 $0, $17;\nmov.b32 $1, $18;\nmov.b32 $2, $19;\nmov.b32 $3, $20;\n"
