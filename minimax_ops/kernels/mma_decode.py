@@ -343,21 +343,17 @@ def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.co
 
 
 @triton.jit
-def _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
-               GROUPS: tl.constexpr, PAIR: tl.constexpr):
-    """Step ``step`` of block_stream's loads (clamped to the last step: a prefetch past the end
-    re-reads it, so no load needs a mask): the weight blocks (words, FP8's second words, scales;
-    with PAIR the second stream's too, otherwise the first's again) and the x pairs of one or two
-    token groups."""
-    w, w_hi, s, u, u_hi, us = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR)
-    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, tl.minimum(step, n_steps - 1) * DEPTH, GROUPS)
-    return w, w_hi, s, u, u_hi, us, x0, x1, y0, y1
+def _load_x_at(x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, GROUPS: tl.constexpr):
+    """The x pairs of load step ``step`` (clamped to the last step, as the weights are)."""
+    return _load_x(x_ptrs, y_ptrs, tl.minimum(step, n_steps - 1) * DEPTH, GROUPS)
 
 
 @triton.jit
 def _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
                   PAIR: tl.constexpr):
-    """The weight blocks of ``_load_step`` alone."""
+    """Step ``step`` of block_stream's weight loads (clamped to the last step: a prefetch past the end
+    re-reads it, so no load needs a mask): words, FP8's second words and scales; with PAIR the second
+    stream's too, otherwise the first's again."""
     k = tl.minimum(step, n_steps - 1) * DEPTH
     w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8)
     if PAIR:
@@ -410,8 +406,8 @@ def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.con
 @triton.jit
 def _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps,
                        PREFETCH: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr, PAIR: tl.constexpr):
-    """The three-step ring's load of step ``step``'s weights, after its L2 prefetch of the step
-    PREFETCH - 1 beyond (as the two-step ring orders them)."""
+    """Step ``step``'s weights (``_load_weights``), after the L2 prefetch of the step PREFETCH - 1
+    beyond it."""
     if PREFETCH > 0:
         _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step - 1 + PREFETCH, n_steps, DEPTH, FP8, PAIR)
     return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR)
@@ -483,25 +479,20 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
         ua, uha, usa = wa, ha, sa
         if RING == 2:
             xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
-    elif RING == 2:
-        wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair, 0,
-                                                                  n_steps, DEPTH, FP8, GROUPS, PAIR)
     else:
         wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR)
+        if RING == 2:
+            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 0, n_steps, DEPTH, GROUPS)
     if RING == 2:
         for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
-            if PREFETCH > 0:
-                _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + PREFETCH, n_steps, DEPTH, FP8,
-                                  PAIR)
-            wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
-                                                                      2 * it + 1, n_steps, DEPTH, FP8, GROUPS, PAIR)
+            wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
+                                                          2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+            xb0, xb1, yb0, yb1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
-            if PREFETCH > 0:
-                _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, 2 * it + 1 + PREFETCH, n_steps, DEPTH,
-                                  FP8, PAIR)
-            wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1 = _load_step(w_ptrs, s_ptrs, x_ptrs, y_ptrs, w_pair, s_pair,
-                                                                      2 * it + 2, n_steps, DEPTH, FP8, GROUPS, PAIR)
+            wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
+                                                          2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
         if n_steps % 2:
