@@ -43,100 +43,61 @@ TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
 # and multiplied, the loads kept; 1 (or mxfp4): mxfp4_mma blocks, mxfp8: mxfp8_mma blocks, all: both.
 # MINIMAX_OPS_DIAG_MXFP4: one half of the mxfp4_mma block product kept: decode_only (the words decoded, the
 # mma replaced by three lop3 a word folding its operands into the accumulators), mma_only (the mma on the
-# raw words and scale bytes, no decode); bf16_scales (right numerics: the product before the fp32 group
-# scales, for A/B runs).
+# raw words and scale bytes, no decode).
 _DIAG = os.environ.get("MINIMAX_OPS_DIAG_NO_DECODE", "")
 DIAG_NO_DECODE = tl.constexpr(_DIAG in ("1", "mxfp4", "all"))
 DIAG_NO_DECODE_FP8 = tl.constexpr(_DIAG in ("mxfp8", "all"))
 _DIAG_MXFP4 = os.environ.get("MINIMAX_OPS_DIAG_MXFP4", "")
-if _DIAG_MXFP4 not in ("", "decode_only", "mma_only", "bf16_scales"):
-    raise ValueError(f"MINIMAX_OPS_DIAG_MXFP4: expected decode_only, mma_only or bf16_scales, got {_DIAG_MXFP4!r}")
-X_PRESCALED_PRODUCT = tl.constexpr(_DIAG_MXFP4 != "bf16_scales")  # MMA_BLOCK_PTX wants x * 2^64
+if _DIAG_MXFP4 not in ("", "decode_only", "mma_only"):
+    raise ValueError(f"MINIMAX_OPS_DIAG_MXFP4: expected decode_only or mma_only, got {_DIAG_MXFP4!r}")
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
 # group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 the lane's 4 biased
 # scale bytes (a uint8 [R, 4] operand: Triton packs a thread's 4 bytes into one register), $17..$20
 # accumulators in.
-_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
+
+
+def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = "") -> str:
+    """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma
+    (``part``: the diagnostics' halves, see MINIMAX_OPS_DIAG_MXFP4)."""
+    if part == "mma_only":
+        raw = f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n"
+        return raw + _MMA.format(b0=b0, b1=b1, c=c)
+    decode = mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi))
+    if part == "decode_only":
+        first = "" if c == _ACC else "mov.b32 $0, $17;\nmov.b32 $1, $18;\nmov.b32 $2, $19;\nmov.b32 $3, $20;\n"
+        return (decode + first + f"lop3.b32 $0, $0, a0, a1, 0x96;\nlop3.b32 $1, $1, a2, a3, 0x96;\n"
+                f"lop3.b32 $2, $2, {b0}, {b1}, 0x96;\n")
+    return decode + _MMA.format(b0=b0, b1=b1, c=c)
+
+
+_SCALES = """mov.b32 z, 0;
+prmt.b32 s0, $16, z, 0x4040;
+shl.b32 s0, s0, 7;
+prmt.b32 s1, $16, z, 0x4141;
+shl.b32 s1, s1, 7;
+prmt.b32 s2, $16, z, 0x4242;
+shl.b32 s2, s2, 7;
+prmt.b32 s3, $16, z, 0x4343;
+shl.b32 s3, s3, 7;
+"""
 _ACC_IN = "$17, $18, $19, $20"
 _ACC = "$0, $1, $2, $3"
-_PART = "p0, p1, p2, p3"
-_ZERO = "z, z, z, z"
-
-# The group scales as fp32 2^(E - 191) = 2^(s - 127) * 2^-64 (E = s + 126, formats.MMA_SCALE_BIAS): the
-# decode's 2^-126 and the x pairs' 2^64 (X_PRESCALE) cancel against it. Byte b of $16 alone, times 2^23,
-# minus 64 << 23 (E >= 126, so the exponent field stays >= 62).
-def _f32_scale(reg: str, byte: int) -> str:
-    return f"prmt.b32 {reg}, $16, z, 0x444{byte};\nmad.lo.s32 {reg}, {reg}, 8388608, -536870912;\n"
 
 
-# bf16x2 scale pairs (E, E) of the 4 bytes of $16 (the mxfp8_mma block product multiplies its operands)
-_BF16_SCALES = "mov.b32 z, 0;\n" + "".join(
-    f"prmt.b32 s{b}, $16, z, 0x4{b}4{b};\nshl.b32 s{b}, s{b}, 7;\n" for b in range(4))
-
-
-def _decode(w: str, part: str) -> str:
-    """One word into a0..a3 (rows g, g + 8, g, g + 8), unscaled (mma_only: the raw word and scales)."""
-    if part == "mma_only":
-        return f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n"
-    return mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), None)
-
-
-def _product(b0: str, b1: str, c: str, part: str) -> str:
-    """a0..a3 times the x pairs into p0..p3 from c (decode_only: three lop3 fold the operands instead)."""
-    if part == "decode_only":
-        first = "" if c == _PART else "mov.b32 p0, 0;\nmov.b32 p1, 0;\nmov.b32 p2, 0;\nmov.b32 p3, 0;\n"
-        return (first + "lop3.b32 p0, p0, a0, a1, 0x96;\nlop3.b32 p1, p1, a2, a3, 0x96;\n"
-                f"lop3.b32 p2, p2, {b0}, {b1}, 0x96;\n")
-    return _MMA.format(d=_PART, b0=b0, b1=b1, c=c)
-
-
-def _group(words: tuple[str, str], xs: tuple[str, str, str, str], lo: int, hi: int, acc_in: str, columns: int,
-           part: str) -> str:
-    """One 32-group of the block (two k-steps) into fp32 partials p0..p3, then the accumulators plus
-    the partials times the group's scales (scale bytes lo: row g, hi: row g + 8; registers e = 1, 3,
-    token column 2c + 1, only where the step may have more than one token)."""
-    text = (_decode(words[0], part) + _product(xs[0], xs[1], _ZERO, part)
-            + _decode(words[1], part) + _product(xs[2], xs[3], _PART, part))
-    ins, outs = acc_in.split(", "), _ACC.split(", ")
-    if part != "mma_only":
-        text += _f32_scale("s0", lo) + _f32_scale("s2", hi)
-    for e, sc in enumerate(("s0", "s0", "s2", "s2")):
-        if columns > 1 or e % 2 == 0:
-            text += (f"add.f32 {outs[e]}, p{e}, {ins[e]};\n" if part == "mma_only"
-                     else f"fma.rn.f32 {outs[e]}, p{e}, {sc}, {ins[e]};\n")
-        elif ins[e] != outs[e]:
-            text += f"mov.b32 {outs[e]}, {ins[e]};\n"
-    return text
-
-
-def _bf16_scaled_block_ptx() -> str:
-    """MINIMAX_OPS_DIAG_MXFP4=bf16_scales: the block product before the fp32 group scales (each
-    decoded pair times its bf16x2 scale, the mma chained over the 4 k-steps; the x pairs unscaled)."""
-    text = "{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + _BF16_SCALES
-    for j, (lo, hi) in enumerate((("s0", "s2"), ("s0", "s2"), ("s1", "s3"), ("s1", "s3"))):
-        text += mxfp4_words_ptx(f"${4 + j}", ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi))
-        text += _MMA.format(d=_ACC, b0=f"${8 + 2 * j}", b1=f"${9 + 2 * j}", c=_ACC_IN if j == 0 else _ACC)
-    return text + "}"
-
-
-def _mxfp4_block_ptx(part: str = "", columns: int = 8) -> str:
-    """The mxfp4_mma block product's PTX: each 32-group's two k-steps into fp32 partials of the
-    unscaled values, scaled once per group (``columns``: 1 for steps of one token; ``part``: a
-    diagnostic's half, see MINIMAX_OPS_DIAG_MXFP4)."""
-    if part == "bf16_scales":
-        return _bf16_scaled_block_ptx()
-    return ("{\n.reg .b32 t, u, z, s0, s2, a0, a1, a2, a3, p0, p1, p2, p3;\nmov.b32 z, 0;\n"
-            # group 0 (k-steps 0, 1): row g scale byte 0, row g + 8 byte 2; group 1: bytes 1, 3
-            + _group(("$4", "$5"), ("$8", "$9", "$10", "$11"), 0, 2, _ACC_IN, columns, part)
-            + _group(("$6", "$7"), ("$12", "$13", "$14", "$15"), 1, 3, _ACC, columns, part)
+def _mxfp4_block_ptx(part: str = "") -> str:
+    """The mxfp4_mma block product's PTX (``part``: a diagnostic's half, see MINIMAX_OPS_DIAG_MXFP4)."""
+    return ("{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + ("" if part == "mma_only" else _SCALES)
+            # group 0 (k-steps 0, 1): row g scale s0, row g + 8 scale s2; group 1: s1, s3
+            + _decode_mma(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN, part=part)
+            + _decode_mma(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC, part=part)
+            + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC, part=part)
+            + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC, part=part)
             + "}")
 
 
 MMA_BLOCK_PTX = tl.constexpr(_mxfp4_block_ptx(_DIAG_MXFP4))
-MMA_BLOCK_PTX_ONE = tl.constexpr(_mxfp4_block_ptx(_DIAG_MXFP4, columns=1))
-# bf16x2 (2^64, 2^64): the x pairs' factor for MMA_BLOCK_PTX (exact; |x| < 2^63 stays finite)
-_X_PRESCALE = tl.constexpr("{\n.reg .b32 k;\nmov.b32 k, 0x5F805F80;\nmul.rn.bf16x2 $0, $1, k;\n}")
 
 
 # mxfp8_mma: $4..$7 the lane's words of k-steps 0, 1 (row g, row g + 8, row g, row g + 8), $8..$11
@@ -149,12 +110,12 @@ def _decode8(w: str, lo: str, hi: str, sc: str) -> str:
 
 def _decode8_mma(wg: str, wh: str, lo: str, hi: str, b0: str, b1: str, c: str) -> str:
     """One k-step: row g's word into a0 / a2, row g + 8's into a1 / a3 (scales lo / hi), then its mma."""
-    return _decode8(wg, "a0", "a2", lo) + _decode8(wh, "a1", "a3", hi) + _MMA.format(d=_ACC, b0=b0, b1=b1, c=c)
+    return _decode8(wg, "a0", "a2", lo) + _decode8(wh, "a1", "a3", hi) + _MMA.format(b0=b0, b1=b1, c=c)
 
 
 MMA8_BLOCK_PTX = tl.constexpr(
     "{\n.reg .b32 t, u, m, z, s0, s1, s2, s3, a0, a1, a2, a3;\nmov.b32 m, 0x80F080F0;\n"
-    + _BF16_SCALES.replace("$16", "$20")
+    + _SCALES.replace("$16", "$20")
     + _decode8_mma("$4", "$5", "s0", "s2", "$12", "$13", "$21, $22, $23, $24")
     + _decode8_mma("$6", "$7", "s0", "s2", "$14", "$15", _ACC)
     + _decode8_mma("$8", "$9", "s1", "s3", "$16", "$17", _ACC)
@@ -258,14 +219,12 @@ def _emulate(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8: tl.constexpr = False,
-              COLUMNS: tl.constexpr = 8):
+def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8: tl.constexpr = False):
     """acc [NW * 32, 4] fp32 += one block per warp times up to 8 token rows (fragment order, see
     the module docstring; rows past NW * 32 are further blocks of the same lanes): w int32 words
     (FP8: the words of k-steps 0, 1 and w_hi those of 2, 3; MXFP4 ignores w_hi), x0 / x1 int32
     bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s the lane's 4 biased scale
-    bytes (uint8, column e byte 4g + e of the block). MXFP4 on PTX: x0 / x1 times 2^64 (``x_pairs``
-    gives them so); COLUMNS 1 (one token a step): token columns other than 0 are left as they were."""
+    bytes (uint8, column e byte 4g + e of the block)."""
     if PTX:
         if FP8 and DIAG_NO_DECODE_FP8:
             acc = acc + (w ^ w_hi ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
@@ -275,8 +234,7 @@ def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8:
         elif DIAG_NO_DECODE:
             acc = acc + (w ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
         else:
-            acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX_ONE if COLUMNS == 1 else MMA_BLOCK_PTX,
-                                            "=f,=f,=f,=f," + "r," * 13 + "f,f,f,f",
+            acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 13 + "f,f,f,f",
                                             [w, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
     else:
         acc = _emulate(acc, w, w_hi, x0, x1, s, NW, FP8)
@@ -339,34 +297,13 @@ def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, mask=None):
 
 
 @triton.jit
-def _x_pairs(x, PRESCALE: tl.constexpr):
-    """x pairs as loaded, or (PRESCALE) times 2^64 as MMA_BLOCK_PTX wants them."""
-    if PRESCALE:
-        x = tl.inline_asm_elementwise(_X_PRESCALE, "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-    return x
-
-
-@triton.constexpr_function
-def x_prescaled(ptx, fp8):
-    """Whether the block product takes x * 2^64 (MMA_BLOCK_PTX: mxfp4_mma on PTX)."""
-    return bool(ptx) and not fp8 and X_PRESCALED_PRODUCT.value and not DIAG_NO_DECODE.value
-
-
-@triton.constexpr_function
-def prescales_x(ptx, fp8, x_scaled):
-    """Whether block_stream multiplies its x pairs by 2^64 (``x_prescaled``, unless the rows hold x * 2^64
-    already)."""
-    return x_prescaled(ptx, fp8) and not x_scaled
-
-
-@triton.jit
-def _load_x(x_ptrs, y_ptrs, k, GROUPS: tl.constexpr, PRESCALE: tl.constexpr = False):
-    """The x pairs of one or two token groups at K block k (PRESCALE: times 2^64)."""
-    x0 = _x_pairs(tl.load(x_ptrs + k * 32), PRESCALE)
-    x1 = _x_pairs(tl.load(x_ptrs + k * 32 + 16), PRESCALE)
+def _load_x(x_ptrs, y_ptrs, k, GROUPS: tl.constexpr):
+    """The x pairs of one or two token groups at K block k."""
+    x0 = tl.load(x_ptrs + k * 32)
+    x1 = tl.load(x_ptrs + k * 32 + 16)
     if GROUPS == 2:
-        y0 = _x_pairs(tl.load(y_ptrs + k * 32), PRESCALE)
-        y1 = _x_pairs(tl.load(y_ptrs + k * 32 + 16), PRESCALE)
+        y0 = tl.load(y_ptrs + k * 32)
+        y1 = tl.load(y_ptrs + k * 32 + 16)
     else:
         y0, y1 = x0, x1
     return x0, x1, y0, y1
@@ -389,12 +326,6 @@ def preloads(n_tokens: int) -> bool:
     return n_tokens <= TOKENS.value
 
 
-def product_columns(n_tokens: int, fp8: bool) -> int:
-    """block_stream's COLUMNS for an n-token step: 1 for one token on the mxfp4_mma product (its
-    group scales then skip the other token columns), else 8."""
-    return 1 if n_tokens == 1 and not fp8 else TOKENS.value
-
-
 def preload_first(n_tokens: int) -> bool:
     """``preloads`` at a launch, unless MINIMAX_OPS_NO_PRELOAD=1 turns it off (read at every call:
     A/B runs switch it between rounds of one process)."""
@@ -412,9 +343,9 @@ def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.co
 
 
 @triton.jit
-def _load_x_at(x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, GROUPS: tl.constexpr, PRESCALE: tl.constexpr):
+def _load_x_at(x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, GROUPS: tl.constexpr):
     """The x pairs of load step ``step`` (clamped to the last step, as the weights are)."""
-    return _load_x(x_ptrs, y_ptrs, tl.minimum(step, n_steps - 1) * DEPTH, GROUPS, PRESCALE)
+    return _load_x(x_ptrs, y_ptrs, tl.minimum(step, n_steps - 1) * DEPTH, GROUPS)
 
 
 @triton.jit
@@ -445,8 +376,7 @@ def stream_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.conste
 
 @triton.jit
 def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.constexpr, PTX: tl.constexpr,
-                  FP8: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, HALVES: tl.constexpr,
-                  COLUMNS: tl.constexpr):
+                  FP8: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr, HALVES: tl.constexpr):
     """One loaded step of NW * 32 rows into (acc, acc2): acc += w x; acc2 += w y (GROUPS = 2) or
     u x (PAIR; with HALVES the step's two halves of rows one after the other into accumulators of
     NW * 16 rows)."""
@@ -460,16 +390,16 @@ def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.con
         us_0, us_1 = _halves(us, R)
         x0_0, x0_1 = _halves(x0, R)
         x1_0, x1_1 = _halves(x1, R)
-        acc = mma_block(acc, w_0, h_0, x0_0, x1_0, s_0, NW // 2, PTX, FP8, COLUMNS)
-        acc2 = mma_block(acc2, u_0, uh_0, x0_0, x1_0, us_0, NW // 2, PTX, FP8, COLUMNS)
-        acc = mma_block(acc, w_1, h_1, x0_1, x1_1, s_1, NW // 2, PTX, FP8, COLUMNS)
-        acc2 = mma_block(acc2, u_1, uh_1, x0_1, x1_1, us_1, NW // 2, PTX, FP8, COLUMNS)
+        acc = mma_block(acc, w_0, h_0, x0_0, x1_0, s_0, NW // 2, PTX, FP8)
+        acc2 = mma_block(acc2, u_0, uh_0, x0_0, x1_0, us_0, NW // 2, PTX, FP8)
+        acc = mma_block(acc, w_1, h_1, x0_1, x1_1, s_1, NW // 2, PTX, FP8)
+        acc2 = mma_block(acc2, u_1, uh_1, x0_1, x1_1, us_1, NW // 2, PTX, FP8)
     else:
-        acc = mma_block(acc, w, w_hi, x0, x1, s, NW, PTX, FP8, COLUMNS)
+        acc = mma_block(acc, w, w_hi, x0, x1, s, NW, PTX, FP8)
         if GROUPS == 2:
-            acc2 = mma_block(acc2, w, w_hi, y0, y1, s, NW, PTX, FP8, COLUMNS)
+            acc2 = mma_block(acc2, w, w_hi, y0, y1, s, NW, PTX, FP8)
         if PAIR:
-            acc2 = mma_block(acc2, u, u_hi, x0, x1, us, NW, PTX, FP8, COLUMNS)
+            acc2 = mma_block(acc2, u, u_hi, x0, x1, us, NW, PTX, FP8)
     return acc, acc2
 
 
@@ -486,11 +416,11 @@ def _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pai
 @triton.jit
 def _late_x_product(acc, acc2, w, w_hi, s, u, u_hi, us, x_ptrs, y_ptrs, step, NW: tl.constexpr, DEPTH: tl.constexpr,
                     PTX: tl.constexpr, FP8: tl.constexpr, GROUPS: tl.constexpr, PAIR: tl.constexpr,
-                    HALVES: tl.constexpr, COLUMNS: tl.constexpr, XS: tl.constexpr):
+                    HALVES: tl.constexpr):
     """_step_product of load step ``step`` with its x pairs loaded here (block_stream's RING 3)."""
-    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, step * DEPTH, GROUPS, XS)
+    x0, x1, y0, y1 = _load_x(x_ptrs, y_ptrs, step * DEPTH, GROUPS)
     return _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW * DEPTH, PTX, FP8, GROUPS, PAIR,
-                         HALVES, COLUMNS)
+                         HALVES)
 
 
 @triton.jit
@@ -505,8 +435,7 @@ def _halves(t, R: tl.constexpr):
 def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
                  SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2,
-                 COLUMNS: tl.constexpr = 8, X_SCALED: tl.constexpr = False):
+                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
@@ -532,14 +461,10 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
-    its product, so the third step takes their registers (ExpertTiles.ring).
-    COLUMNS: 1 where the step has one token (every token group then has at most one); the token
-    columns past the first are left as they came in. X_SCALED: the rows hold x * 2^64 (an MXFP4
-    product's own producer scaled them, see ``prescales_x``); the results are x's either way."""
+    its product, so the third step takes their registers (ExpertTiles.ring)."""
     tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
     tl.static_assert(not (PAIR and PRELOADED), "block_stream: a preloaded first step is one stream's")
     HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH
-    XS: tl.constexpr = prescales_x(PTX, FP8, X_SCALED)
     d, g, c, e = fragment_index(NW, DEPTH)
     w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
     x_ptrs = x_rows + kb_begin * 32 + (c * 4 + d * 32 + e)
@@ -553,26 +478,26 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
         if RING == 2:
-            xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS, XS)
+            xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
     else:
         wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR)
         if RING == 2:
-            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 0, n_steps, DEPTH, GROUPS, XS)
+            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 0, n_steps, DEPTH, GROUPS)
     if RING == 2:
         for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR)
-            xb0, xb1, yb0, yb1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, GROUPS, XS)
+            xb0, xb1, yb0, yb1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
-                                      GROUPS, PAIR, HALVES, COLUMNS)
+                                      GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
-            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, GROUPS, XS)
+            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
-                                      GROUPS, PAIR, HALVES, COLUMNS)
+                                      GROUPS, PAIR, HALVES)
         if n_steps % 2:
             acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
-                                      GROUPS, PAIR, HALVES, COLUMNS)
+                                      GROUPS, PAIR, HALVES)
     else:
         # Three steps a turn, two in flight while the third is multiplied; the x pairs are loaded at
         # their product (L1 / L2 hits), so the third step's weights take their registers.
@@ -581,22 +506,22 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
             wc, hc, sc, uc, uhc, usc = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
             acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, 3 * it, NW, DEPTH, PTX,
-                                        FP8, GROUPS, PAIR, HALVES, COLUMNS, XS)
+                                        FP8, GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR)
             acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, 3 * it + 1, NW, DEPTH,
-                                        PTX, FP8, GROUPS, PAIR, HALVES, COLUMNS, XS)
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR)
             acc, acc2 = _late_x_product(acc, acc2, wc, hc, sc, uc, uhc, usc, x_ptrs, y_ptrs, 3 * it + 2, NW, DEPTH,
-                                        PTX, FP8, GROUPS, PAIR, HALVES, COLUMNS, XS)
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
         done = n_steps // 3 * 3
         if n_steps - done >= 1:
             acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, done, NW, DEPTH, PTX,
-                                        FP8, GROUPS, PAIR, HALVES, COLUMNS, XS)
+                                        FP8, GROUPS, PAIR, HALVES)
         if n_steps - done == 2:
             acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, done + 1, NW, DEPTH,
-                                        PTX, FP8, GROUPS, PAIR, HALVES, COLUMNS, XS)
+                                        PTX, FP8, GROUPS, PAIR, HALVES)
     return acc, acc2
 
 

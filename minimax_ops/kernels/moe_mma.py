@@ -41,7 +41,7 @@ from .aot import KernelSpec
 from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
                            slot_weights, swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
-                         pair_sets, preload_first, preloads, product_columns, warp_rows, x_prescaled)
+                         pair_sets, preload_first, preloads, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, mma_expert_tiles, portable_mma_tiles, register_cap
@@ -166,7 +166,7 @@ def _fragment_out(m0, NW: tl.constexpr):
 def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
                    TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
-                   NW: tl.constexpr, TABLE: tl.constexpr, ACT_FACTOR: tl.constexpr):
+                   NW: tl.constexpr, TABLE: tl.constexpr):
     """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
     rank, i_out = _fragment_out(m0, NW)
     tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
@@ -174,7 +174,7 @@ def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, e
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
-        tl.store(a_ptrs, (swiglu_oai(gate, up, alpha, limit) * ACT_FACTOR).to(a_ptr.dtype.element_ty), mask=ok)
+        tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
     else:
         p_ptrs = (part_ptr + tl.program_id(2) * stride_psplit + tok.to(tl.int64) * stride_pm + col * stride_pcol
                   + 2 * i_out)
@@ -203,7 +203,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                     TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
-                    RING: tl.constexpr = 2, COLUMNS: tl.constexpr = 8, ACT_SCALED: tl.constexpr = False):
+                    RING: tl.constexpr = 2):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -213,12 +213,9 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     expert's slots (``_shared_pass``) need only h, complete since the router passed its own wait: they
     stream its weights under the router's tail and wait only before their first store (buffers of this
     step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
-    from the step's slot table (expert_slots.build_slot_table, the kernel before this one).
-    ACT_SCALED: the activations are stored times 2^64, as the MXFP4 w2 product takes its x
-    (mma_decode.prescales_x; exact, a power of two)."""
+    from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-    ACT_FACTOR: tl.constexpr = 18446744073709551616.0 if ACT_SCALED else 1.0  # 2^64
     if PDL:
         if SHARED_SLOT:
             if _shared_pass(shared_slots) < 0:
@@ -254,32 +251,31 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
                     gate, up = block_stream(zp, zp, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                             PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s,
-                                            RING=RING, COLUMNS=COLUMNS)
+                                            RING=RING)
                     gate2, up2 = zero, zero  # (unused: PAIRED passes take one token group, both is False)
                 elif both:
                     y_rows = h_ptr + tl.maximum(tok_y, 0).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2, RING=RING, COLUMNS=COLUMNS)
+                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2, RING=RING)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8, GROUPS=2, RING=RING, COLUMNS=COLUMNS)
+                                           PREFETCH, FP8, GROUPS=2, RING=RING)
                 else:
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8, RING=RING, COLUMNS=COLUMNS)
+                                               DEPTH, PTX, PREFETCH, FP8, RING=RING)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8, RING=RING, COLUMNS=COLUMNS)
+                                           PREFETCH, FP8, RING=RING)
                 if PDL:
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
                 _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, compact, inter_e, ids_ptr, row_ptr,
                                n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
-                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW, TABLE,
-                               ACT_FACTOR)
+                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW, TABLE)
                 if both:
                     _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, compact, inter_e, ids_ptr,
                                    row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit,
                                    stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT,
-                                   NW, TABLE, ACT_FACTOR)
+                                   NW, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(first_rank, tl.where(_shared_pass(shared_slots) >= 0, ranks, n_tokens),
@@ -292,8 +288,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                         gate = sum_splits(p_ptrs, ok, stride_psplit, SPLIT, SPLIT_POW2)
                         up = sum_splits(p_ptrs + 1, ok, stride_psplit, SPLIT, SPLIT_POW2)
                         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
-                        act = swiglu_oai(gate, up, alpha, limit) * ACT_FACTOR
-                        tl.store(a_ptrs, act.to(a_ptr.dtype.element_ty), mask=ok)
+                        tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -305,8 +300,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
-                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2,
-                   COLUMNS: tl.constexpr = 8, ACT_SCALED: tl.constexpr = False):
+                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
@@ -348,12 +342,10 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                     y_rows = (a_ptr + tl.maximum(tok_b, 0).to(tl.int64) * stride_am
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING,
-                                             COLUMNS=COLUMNS, X_SCALED=ACT_SCALED)
+                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING,
-                                             COLUMNS=COLUMNS, X_SCALED=ACT_SCALED)
+                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -415,8 +407,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA, TWO_GROUPS=two,
-                  COMPACT=compacts(), COLUMNS=product_columns(n, w13.fmt == FMT_MXFP8_MMA),
-                  ACT_SCALED=x_prescaled(ptx, w13.fmt == FMT_MXFP8_MMA))
+                  COMPACT=compacts())
     # ``slots`` counts the shared expert once; the grid gives it a slot per pass (_slot).
     routed = slots - int(shared_slot or shared_only)
     shared_slots = shared_passes(n, two) if shared_slot or shared_only else 0
@@ -515,10 +506,9 @@ def aot_specs() -> list[KernelSpec]:
         common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                   "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                   "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                  "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact, "COLUMNS": product_columns(n_tokens, fp8),
-                  "ACT_SCALED": x_prescaled(ptx, fp8)}
+                  "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact}
         label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                 f"{'' if compact else '_fixed'}{'_two' if two else ''}{'_one' if common['COLUMNS'] == 1 else ''}")
+                 f"{'' if compact else '_fixed'}{'_two' if two else ''}")
         tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
         for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
             if (label, "w13", t13, split, table) in seen:

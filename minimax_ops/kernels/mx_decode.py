@@ -68,19 +68,15 @@ def mxfp4_word_pairs(w):
     return p0, p1, p2, p3
 
 
-def mxfp4_words_ptx(word: str, outs: tuple[str, str, str, str], scales: tuple[str, str, str, str] | None) -> str:
-    """PTX of mxfp4_word_pairs on register ``word``: out j = pair j times bf16x2 register scales[j],
-    or (scales None) pair j as it is, the values * 2^-126 (temporaries t, u must be declared by the
-    caller). ``shf.l.wrap`` is the rotate and the rotate by 8 of pair 3 a byte permute; pairs 0, 1
-    shift (see mxfp4_word_pairs)."""
-    dst = ("t",) * 4 if scales else outs
-    pairs = [f"shl.b32 t, {word}, 2;\nand.b32 {dst[0]}, t, 0x81C081C0;",
-             f"shl.b32 t, {word}, 6;\nand.b32 {dst[1]}, t, 0x81C081C0;",
-             f"shf.l.wrap.b32 t, {word}, {word}, 12;\nand.b32 {dst[2]}, t, 0x81C081C0;",
+def mxfp4_words_ptx(word: str, outs: tuple[str, str, str, str], scales: tuple[str, str, str, str]) -> str:
+    """PTX of mxfp4_word_pairs on register ``word``: out j = pair j times bf16x2 register scales[j]
+    (temporaries t, u must be declared by the caller). ``shf.l.wrap`` is the rotate and the rotate by
+    8 of pair 3 a byte permute; pairs 0, 1 shift (see mxfp4_word_pairs)."""
+    pairs = [f"shl.b32 t, {word}, 2;\nand.b32 t, t, 0x81C081C0;",
+             f"shl.b32 t, {word}, 6;\nand.b32 t, t, 0x81C081C0;",
+             f"shf.l.wrap.b32 t, {word}, {word}, 12;\nand.b32 t, t, 0x81C081C0;",
              f"prmt.b32 u, {word}, {word}, 0x2103;\nand.b32 u, u, 0x00400040;\nand.b32 t, {word}, 0x81808180;\n"
-             f"or.b32 {dst[3]}, t, u;"]
-    if not scales:
-        return "".join(f"{p}\n" for p in pairs)
+             f"or.b32 t, t, u;"]
     return "".join(f"{p}\nmul.rn.bf16x2 {o}, t, {sc};\n" for p, o, sc in zip(pairs, outs, scales))
 
 
