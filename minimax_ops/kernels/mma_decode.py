@@ -477,13 +477,10 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     if PRELOADED:
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
-        if RING == 2:
-            xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
     else:
         wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR)
-        if RING == 2:
-            xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 0, n_steps, DEPTH, GROUPS)
     if RING == 2:
+        xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
         for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR)

@@ -235,7 +235,7 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
     while split > 1 and blocks % split:
         split -= 1
     return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
-                       max_registers=max_registers, paired=w13 and paired, ring=(ring or [2])[0])
+                       max_registers=max_registers, paired=w13 and paired, ring=ring[0] if ring else 2)
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
