@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from minimax_ops.bench import _time
-from minimax_ops.kernels.mma_decode import block_stream, fragment_index, mma_block, pair_sets, warp_rows
+from minimax_ops.kernels.mma_decode import block_stream, fragment_index, mma_block, pair_sets, scale_words, warp_rows
 
 WORDS = 128  # an mxfp4_mma block: 128 int32 words + 32 scale bytes
 SCALES = 32
@@ -155,9 +155,9 @@ def _ring_kernel(w_ptr, s_ptr, x_ptr, out_ptr, n_steps, flag, NW: tl.constexpr, 
             g_slot = (now * 2) * DEPTH + dd
             u_slot = (now * 2 + 1) * DEPTH + dd
             w = _read_words(tl.broadcast_to(words_at + g_slot * NT * 16, [NT, 4]))
-            s = _read_scales(tl.broadcast_to(scales_at + g_slot * NT * 4, [NT, 4]))
+            s = scale_words(_read_scales(tl.broadcast_to(scales_at + g_slot * NT * 4, [NT, 4])), True)
             u = _read_words(tl.broadcast_to(words_at + u_slot * NT * 16, [NT, 4]))
-            us = _read_scales(tl.broadcast_to(scales_at + u_slot * NT * 4, [NT, 4]))
+            us = scale_words(_read_scales(tl.broadcast_to(scales_at + u_slot * NT * 4, [NT, 4])), True)
             xk = x_ptr + (k * DEPTH + dd) * 32 + fc * 4 + e
             x0 = tl.load(xk)
             x1 = tl.load(xk + 16)

@@ -50,7 +50,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
-        step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8)
+        step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8, PTX)
     if PDL:
         if PREFETCH > 0:  # the weights do not depend on the previous kernel: ask for them first
             w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)

@@ -52,8 +52,8 @@ if _DIAG_MXFP4 not in ("", "decode_only", "mma_only"):
     raise ValueError(f"MINIMAX_OPS_DIAG_MXFP4: expected decode_only or mma_only, got {_DIAG_MXFP4!r}")
 
 # One call: $0..$3 accumulators out, $4..$7 the lane's 4 words (k-steps 0..3), $8..$11 x pairs of
-# group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16 the lane's 4 biased
-# scale bytes (a uint8 [R, 4] operand: Triton packs a thread's 4 bytes into one register), $17..$20
+# group 0 (K 8c .. 8c + 7 of the block's first 32), $12..$15 of group 1, $16..$19 the lane's scale
+# words (``scale_words``: rows g / g + 8 of group 0 in $16 / $18, of group 1 in $17 / $19), $20..$23
 # accumulators in.
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{{b0}, {b1}}}, {{{c}}};\n"
 
@@ -62,38 +62,34 @@ def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = 
     """One word into a0..a3 (rows g, g + 8, g, g + 8: scales lo, hi, lo, hi), then its k-step's mma
     (``part``: the diagnostics' halves, see MINIMAX_OPS_DIAG_MXFP4)."""
     if part == "mma_only":
-        raw = f"mov.b32 a0, {w};\nmov.b32 a1, $16;\nmov.b32 a2, {w};\nmov.b32 a3, $16;\n"
+        raw = f"mov.b32 a0, {w};\nmov.b32 a1, {lo};\nmov.b32 a2, {w};\nmov.b32 a3, {hi};\n"
         return raw + _MMA.format(b0=b0, b1=b1, c=c)
     decode = mxfp4_words_ptx(w, ("a0", "a1", "a2", "a3"), (lo, hi, lo, hi))
     if part == "decode_only":
-        first = "" if c == _ACC else "mov.b32 $0, $17;\nmov.b32 $1, $18;\nmov.b32 $2, $19;\nmov.b32 $3, $20;\n"
+        first = "" if c == _ACC else "mov.b32 $0, $20;\nmov.b32 $1, $21;\nmov.b32 $2, $22;\nmov.b32 $3, $23;\n"
         return (decode + first + f"lop3.b32 $0, $0, a0, a1, 0x96;\nlop3.b32 $1, $1, a2, a3, 0x96;\n"
                 f"lop3.b32 $2, $2, {b0}, {b1}, 0x96;\n")
     return decode + _MMA.format(b0=b0, b1=b1, c=c)
 
 
-_SCALES = """mov.b32 z, 0;
-prmt.b32 s0, $16, z, 0x4040;
-shl.b32 s0, s0, 7;
-prmt.b32 s1, $16, z, 0x4141;
-shl.b32 s1, s1, 7;
-prmt.b32 s2, $16, z, 0x4242;
-shl.b32 s2, s2, 7;
-prmt.b32 s3, $16, z, 0x4343;
-shl.b32 s3, s3, 7;
-"""
-_ACC_IN = "$17, $18, $19, $20"
+# The lane's 4 scale bytes (one packed register) -> 4 bf16x2 scale words, column e = byte e's 2^(s - 127)
+# in both halves: done where the bytes are loaded (``scale_words``), so that a load step carried over a loop
+# turn holds 32-bit values: uint8 tensors carried in registers become a register per byte, repacked
+# before every use.
+_SCALE_WORDS = tl.constexpr("{\n.reg .b32 z;\nmov.b32 z, 0;\n" + "".join(
+    f"prmt.b32 ${e}, $4, z, 0x4{e}4{e};\nshl.b32 ${e}, ${e}, 7;\n" for e in range(4)) + "}")
+_ACC_IN = "$20, $21, $22, $23"
 _ACC = "$0, $1, $2, $3"
 
 
 def _mxfp4_block_ptx(part: str = "") -> str:
     """The mxfp4_mma block product's PTX (``part``: a diagnostic's half, see MINIMAX_OPS_DIAG_MXFP4)."""
-    return ("{\n.reg .b32 t, u, z, s0, s1, s2, s3, a0, a1, a2, a3;\n" + ("" if part == "mma_only" else _SCALES)
-            # group 0 (k-steps 0, 1): row g scale s0, row g + 8 scale s2; group 1: s1, s3
-            + _decode_mma(w="$4", lo="s0", hi="s2", b0="$8", b1="$9", c=_ACC_IN, part=part)
-            + _decode_mma(w="$5", lo="s0", hi="s2", b0="$10", b1="$11", c=_ACC, part=part)
-            + _decode_mma(w="$6", lo="s1", hi="s3", b0="$12", b1="$13", c=_ACC, part=part)
-            + _decode_mma(w="$7", lo="s1", hi="s3", b0="$14", b1="$15", c=_ACC, part=part)
+    return ("{\n.reg .b32 t, u, a0, a1, a2, a3;\n"
+            # group 0 (k-steps 0, 1): row g scale $16, row g + 8 scale $18; group 1: $17, $19
+            + _decode_mma(w="$4", lo="$16", hi="$18", b0="$8", b1="$9", c=_ACC_IN, part=part)
+            + _decode_mma(w="$5", lo="$16", hi="$18", b0="$10", b1="$11", c=_ACC, part=part)
+            + _decode_mma(w="$6", lo="$17", hi="$19", b0="$12", b1="$13", c=_ACC, part=part)
+            + _decode_mma(w="$7", lo="$17", hi="$19", b0="$14", b1="$15", c=_ACC, part=part)
             + "}")
 
 
@@ -101,7 +97,7 @@ MMA_BLOCK_PTX = tl.constexpr(_mxfp4_block_ptx(_DIAG_MXFP4))
 
 
 # mxfp8_mma: $4..$7 the lane's words of k-steps 0, 1 (row g, row g + 8, row g, row g + 8), $8..$11
-# of k-steps 2, 3, $12..$19 x pairs of groups 0 / 1, $20 the scale bytes, $21..$24 accumulators in.
+# of k-steps 2, 3, $12..$19 x pairs of groups 0 / 1, $20..$23 the scale words, $24..$27 accumulators in.
 def _decode8(w: str, lo: str, hi: str, sc: str) -> str:
     """One mxfp8_mma word -> bf16x2 pairs lo (values 0, 1) and hi (2, 3), times the scale pair sc."""
     return (f"and.b32 {lo}, {w}, 0x87F087F0;\nshl.b32 t, {w}, 4;\nshr.b32 u, {w}, 4;\nand.b32 u, u, 0x07000700;\n"
@@ -114,13 +110,21 @@ def _decode8_mma(wg: str, wh: str, lo: str, hi: str, b0: str, b1: str, c: str) -
 
 
 MMA8_BLOCK_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, m, z, s0, s1, s2, s3, a0, a1, a2, a3;\nmov.b32 m, 0x80F080F0;\n"
-    + _SCALES.replace("$16", "$20")
-    + _decode8_mma("$4", "$5", "s0", "s2", "$12", "$13", "$21, $22, $23, $24")
-    + _decode8_mma("$6", "$7", "s0", "s2", "$14", "$15", _ACC)
-    + _decode8_mma("$8", "$9", "s1", "s3", "$16", "$17", _ACC)
-    + _decode8_mma("$10", "$11", "s1", "s3", "$18", "$19", _ACC)
+    "{\n.reg .b32 t, u, m, a0, a1, a2, a3;\nmov.b32 m, 0x80F080F0;\n"
+    + _decode8_mma("$4", "$5", "$20", "$22", "$12", "$13", "$24, $25, $26, $27")
+    + _decode8_mma("$6", "$7", "$20", "$22", "$14", "$15", _ACC)
+    + _decode8_mma("$8", "$9", "$21", "$23", "$16", "$17", _ACC)
+    + _decode8_mma("$10", "$11", "$21", "$23", "$18", "$19", _ACC)
     + "}")
+
+
+@triton.jit
+def scale_words(s, PTX: tl.constexpr):
+    """Loaded scale bytes (uint8 [R, 4]) as the block product takes them: with PTX the lane's 4 bf16x2
+    scale words (int32 [R, 4], see _SCALE_WORDS), otherwise the bytes as they are (``_emulate``)."""
+    if PTX:
+        s = tl.inline_asm_elementwise(_SCALE_WORDS, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
+    return s
 
 
 @triton.jit
@@ -223,18 +227,18 @@ def mma_block(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, PTX: tl.constexpr, FP8:
     """acc [NW * 32, 4] fp32 += one block per warp times up to 8 token rows (fragment order, see
     the module docstring; rows past NW * 32 are further blocks of the same lanes): w int32 words
     (FP8: the words of k-steps 0, 1 and w_hi those of 2, 3; MXFP4 ignores w_hi), x0 / x1 int32
-    bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s the lane's 4 biased scale
-    bytes (uint8, column e byte 4g + e of the block)."""
+    bf16 pairs of the lane's token at K 8c .. 8c + 7 of groups 0 / 1, s ``scale_words`` of the lane's
+    4 biased scale bytes (uint8, column e byte 4g + e of the block)."""
     if PTX:
         if FP8 and DIAG_NO_DECODE_FP8:
             acc = acc + (w ^ w_hi ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
         elif FP8:
-            acc = tl.inline_asm_elementwise(MMA8_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 17 + "f,f,f,f",
+            acc = tl.inline_asm_elementwise(MMA8_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 20 + "f,f,f,f",
                                             [w, w_hi, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
         elif DIAG_NO_DECODE:
             acc = acc + (w ^ x0 ^ x1).to(tl.float32) + s.to(tl.float32)
         else:
-            acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 13 + "f,f,f,f",
+            acc = tl.inline_asm_elementwise(MMA_BLOCK_PTX, "=f,=f,=f,=f," + "r," * 16 + "f,f,f,f",
                                             [w, x0, x1, s, acc], dtype=tl.float32, is_pure=True, pack=4)
     else:
         acc = _emulate(acc, w, w_hi, x0, x1, s, NW, FP8)
@@ -284,16 +288,16 @@ def _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step, n_steps,
 
 
 @triton.jit
-def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, mask=None):
-    """Words, FP8's second words (= the words for MXFP4) and scale bytes of the blocks at K block k
-    (nothing read where a mask is given and false)."""
+def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, PTX: tl.constexpr, mask=None):
+    """Words, FP8's second words (= the words for MXFP4) and scales (``scale_words``) of the blocks
+    at K block k (nothing read where a mask is given and false)."""
     WORDS: tl.constexpr = 256 if FP8 else 128
     w = tl.load(w_ptrs + k * WORDS, mask=mask)
     if FP8:
         w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask)
     else:
         w_hi = w
-    return w, w_hi, tl.load(s_ptrs + k * 32, mask=mask)
+    return w, w_hi, scale_words(tl.load(s_ptrs + k * 32, mask=mask), PTX)
 
 
 @triton.jit
@@ -333,13 +337,14 @@ def preload_first(n_tokens: int) -> bool:
 
 
 @triton.jit
-def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr = False):
+def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr,
+                 PTX: tl.constexpr):
     """Step 0 of a single-stream block_stream's weights (pass them as its ``first``), read where
     ``valid`` (a scalar) holds. The weights do not depend on the previous kernel: a programmatic
     dependent reads them before it waits, so its first DRAM round trip overlaps that kernel's tail
     instead of following it."""
     w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
-    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, valid)
+    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid)
 
 
 @triton.jit
@@ -350,14 +355,14 @@ def _load_x_at(x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, GROUPS: tl.co
 
 @triton.jit
 def _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
-                  PAIR: tl.constexpr):
+                  PAIR: tl.constexpr, PTX: tl.constexpr):
     """Step ``step`` of block_stream's weight loads (clamped to the last step: a prefetch past the end
     re-reads it, so no load needs a mask): words, FP8's second words and scales; with PAIR the second
     stream's too, otherwise the first's again."""
     k = tl.minimum(step, n_steps - 1) * DEPTH
-    w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8)
+    w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8, PTX)
     if PAIR:
-        u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8)
+        u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8, PTX)
     else:
         u, u_hi, us = w, w_hi, s
     return w, w_hi, s, u, u_hi, us
@@ -405,12 +410,13 @@ def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.con
 
 @triton.jit
 def _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps,
-                       PREFETCH: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr, PAIR: tl.constexpr):
+                       PREFETCH: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr, PAIR: tl.constexpr,
+                       PTX: tl.constexpr):
     """Step ``step``'s weights (``_load_weights``), after the L2 prefetch of the step PREFETCH - 1
     beyond it."""
     if PREFETCH > 0:
         _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step - 1 + PREFETCH, n_steps, DEPTH, FP8, PAIR)
-    return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR)
+    return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR, PTX)
 
 
 @triton.jit
@@ -478,17 +484,17 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
     else:
-        wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR)
+        wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR, PTX)
     if RING == 2:
         xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
         for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+                                                          2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
             xb0, xb1, yb0, yb1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+                                                          2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
             xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
@@ -498,18 +504,18 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     else:
         # Three steps a turn, two in flight while the third is multiplied; the x pairs are loaded at
         # their product (L1 / L2 hits), so the third step's weights take their registers.
-        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR)
+        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR, PTX)
         for it in range(n_steps // 3):
             wc, hc, sc, uc, uhc, usc = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+                                                          3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
             acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, 3 * it, NW, DEPTH, PTX,
                                         FP8, GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+                                                          3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
             acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, 3 * it + 1, NW, DEPTH,
                                         PTX, FP8, GROUPS, PAIR, HALVES)
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR)
+                                                          3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
             acc, acc2 = _late_x_product(acc, acc2, wc, hc, sc, uc, uhc, usc, x_ptrs, y_ptrs, 3 * it + 2, NW, DEPTH,
                                         PTX, FP8, GROUPS, PAIR, HALVES)
         done = n_steps // 3 * 3

@@ -324,7 +324,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
-        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8)
+        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
