@@ -13,7 +13,7 @@ the decode's v * 2^-126 into v * 2^(s - 127)).
 Every tensor here is in *fragment order*: [DEPTH * NW * 32, 4], row d * NW * 32 + r block d of
 lane r % 32 of warp r // 32, column e its register e. Every operand load is contiguous along the 4
 columns (128-bit words; the lane's 4 scale bytes as one uint8 [R, 4] load, which Triton packs into
-one register), so Triton gives each thread one row: the inline PTX relies on that, and nothing
+one register and ``scale_words`` turns into 4 registers at once), so Triton gives each thread one row: the inline PTX relies on that, and nothing
 after it reshapes or reduces across rows. (A scale word broadcast over the columns once made
 Triton choose a row-major layout for small launches; tests/test_kernels_aot.py compiles every PTX
 launch and checks the layout, the GPU tests check the results against the reference.) The
@@ -43,7 +43,7 @@ TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
 # and multiplied, the loads kept; 1 (or mxfp4): mxfp4_mma blocks, mxfp8: mxfp8_mma blocks, all: both.
 # MINIMAX_OPS_DIAG_MXFP4: one half of the mxfp4_mma block product kept: decode_only (the words decoded, the
 # mma replaced by three lop3 a word folding its operands into the accumulators), mma_only (the mma on the
-# raw words and scale bytes, no decode).
+# raw words and scale words, no decode).
 _DIAG = os.environ.get("MINIMAX_OPS_DIAG_NO_DECODE", "")
 DIAG_NO_DECODE = tl.constexpr(_DIAG in ("1", "mxfp4", "all"))
 DIAG_NO_DECODE_FP8 = tl.constexpr(_DIAG in ("mxfp8", "all"))
@@ -72,8 +72,8 @@ def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = 
     return decode + _MMA.format(b0=b0, b1=b1, c=c)
 
 
-# The lane's 4 scale bytes (one packed register) -> 4 bf16x2 scale words, column e = byte e's 2^(s - 127)
-# in both halves: done where the bytes are loaded (``scale_words``), so that a load step carried over a loop
+# The lane's 4 scale bytes (one packed register) -> 4 bf16x2 scale words, column e the bf16 whose exponent
+# field is byte e (the biased E above), in both halves: done where the bytes are loaded (``scale_words``), so that a load step carried over a loop
 # turn holds 32-bit values: uint8 tensors carried in registers become a register per byte, repacked
 # before every use.
 _SCALE_WORDS = tl.constexpr("{\n.reg .b32 z;\nmov.b32 z, 0;\n" + "".join(
