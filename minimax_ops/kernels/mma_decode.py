@@ -13,10 +13,11 @@ the decode's v * 2^-126 into v * 2^(s - 127)).
 Every tensor here is in *fragment order*: [DEPTH * NW * 32, 4], row d * NW * 32 + r block d of
 lane r % 32 of warp r // 32, column e its register e. Every operand load is contiguous along the 4
 columns (128-bit words; the lane's 4 scale bytes as one uint8 [R, 4] load, which Triton packs into
-one register and ``scale_words`` turns into 4 registers at once), so Triton gives each thread one row: the inline PTX relies on that, and nothing
-after it reshapes or reduces across rows. (A scale word broadcast over the columns once made
-Triton choose a row-major layout for small launches; tests/test_kernels_aot.py compiles every PTX
-launch and checks the layout, the GPU tests check the results against the reference.) The
+one register and ``scale_words`` turns into 4 registers at once), so Triton gives each thread one
+row: the inline PTX relies on that, and nothing after it reshapes or reduces across rows. (A scale
+word broadcast over the columns once made Triton choose a row-major layout for small launches;
+tests/test_kernels_aot.py compiles every PTX launch and checks the layout, the GPU tests check the
+results against the reference.) The
 accumulator's register e of lane (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
 
 An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 128-bit loads): per
@@ -72,10 +73,10 @@ def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = 
     return decode + _MMA.format(b0=b0, b1=b1, c=c)
 
 
-# The lane's 4 scale bytes (one packed register) -> 4 bf16x2 scale words, column e the bf16 whose exponent
-# field is byte e (the biased E above), in both halves: done where the bytes are loaded (``scale_words``), so that a load step carried over a loop
-# turn holds 32-bit values: uint8 tensors carried in registers become a register per byte, repacked
-# before every use.
+# The lane's 4 scale bytes (one packed register) -> 4 bf16x2 scale words, column e the bf16 whose
+# exponent field is byte e (the biased E above), in both halves. Done where the bytes are loaded
+# (``scale_words``), so that a load step carried over a loop turn holds 32-bit values: a uint8 tensor
+# carried in registers becomes a register per byte, repacked before every use.
 _SCALE_WORDS = tl.constexpr("{\n.reg .b32 z;\nmov.b32 z, 0;\n" + "".join(
     f"prmt.b32 ${e}, $4, z, 0x4{e}4{e};\nshl.b32 ${e}, ${e}, 7;\n" for e in range(4)) + "}")
 _ACC_IN = "$20, $21, $22, $23"
