@@ -9,11 +9,14 @@ Besides environment variables a variant may set the mxfp4_mma expert tiles of ev
 (cap: ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix;
 ring: load steps held in registers, 2 or 3, 2 if left out),
 ``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables, the mxfp8_mma GEMV tiles (qkv, o_proj):
-``LIN=row blocks/depth/prefetch/cap/streams per SM``, the
-router's tile: ``ROUTER=experts/H``, the sparse attention's split launch: ``ATTN=programs per SM/pipeline
-stages``, the indexer top-k's one-slice width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows
-of more blocks are selected by groups), and ``TWO=1``: two token groups on one expert weight stream for
-MXFP4 too (with an unpaired w13), ``TWO=0``: for no format (MXFP8 too).
+``LIN=row blocks/depth/prefetch/cap/streams per SM``, fixed tiles of one of them: ``QKV=`` / ``OPROJ=warps/depth/
+grid splits/cap[/warp splits]``, the
+router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits the programs' warps
+make where they divide them (tiles.WARP_SPLIT; ``WS=0``: none, every split by the grid), the sparse
+attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer top-k's one-slice
+width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), and
+``TWO=1``: two token groups on one expert weight stream for MXFP4 too (with an unpaired w13),
+``TWO=0``: for no format (MXFP8 too).
 
 Variants alternate round by round (the spread between rounds is the noise floor; the first round of a
 process runs on a GPU that was idle: compare the later ones); each round captures a fresh CUDA graph of
@@ -23,7 +26,8 @@ registers and spills, its median fused time, the unfused graph once per case (un
 environment, not a variant's: where a variant switches kernels the unfused chain shares, its "vs unfused"
 compares against the default kernels' chain), a warning where a variant's
 output leaves the first variant's by more than 2e-2, and with --timeline each variant's kernels inside one
-graph replay (profiler; start and end relative to the first kernel, so PDL overlap shows).
+graph replay (profiler; start and end relative to the first kernel, so PDL overlap shows) and, with
+--layers > 1, the time each stage adds to a layer (minimax_ops/timeline.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, 
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
+from minimax_ops.timeline import fused_stage_times, kernel_timelines
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -52,7 +57,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT")
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
@@ -60,6 +65,7 @@ _BASE_TWO_GROUPS = moe_mma._two_groups
 _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.linear_tiles}
 _BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
 _BASE_TOPK_CHUNK = index_topk.TOPK_CHUNK
+_BASE_WARP_SPLIT = tiles.WARP_SPLIT
 
 
 def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> None:
@@ -112,18 +118,19 @@ def _set_two_groups(spec: str | None) -> None:
 
 
 def _set_gemv_tiles(module, spec: str | None) -> None:
-    """QKV / OPROJ: fixed mxfp8_mma tiles for the qkv GEMV (qkv_mma's) or mx_linear's mma GEMVs (o_proj
-    in the layer), PTX launches only; None: the heuristic's."""
+    """QKV / OPROJ: fixed mxfp8_mma tiles (warps/depth/grid splits/cap[/warp splits]) for the qkv GEMV
+    (qkv_mma's; no warp splits) or mx_linear's mma GEMVs (o_proj in the layer), PTX launches only; None:
+    the heuristic's."""
     base = _BASE_LINEAR_TILES[module]
     if not spec:
         module.linear_tiles = base
         return
-    warps, depth, split, cap = map(int, spec.split("/"))
+    warps, depth, split, cap, *ws = map(int, spec.split("/"))
 
-    def fixed(n, k, device, fp8, override=None):
-        t, ptx = base(n, k, device, fp8, override)
+    def fixed(n, k, device, fp8, override=None, warp_split=True):
+        t, ptx = base(n, k, device, fp8, override, warp_split)
         if override is None and fp8 and ptx:
-            t = tiles.MmaLinearTiles(warps, depth, 0, split, cap)
+            t = tiles.MmaLinearTiles(warps, depth, 0, split, cap, ws[0] if ws and warp_split else 1)
         return t, ptx
     module.linear_tiles = fixed
 
@@ -168,6 +175,10 @@ class _Env:
         _set_gemv_tiles(linear_mma, knobs["OPROJ"])
         _set_attention_launch(knobs["ATTN"])
         index_topk.TOPK_CHUNK = int(knobs["SHORT"]) if knobs["SHORT"] else _BASE_TOPK_CHUNK
+        ws = knobs["WS"]
+        tiles.WARP_SPLIT = _BASE_WARP_SPLIT if ws is None else frozenset(filter(None, ws.split("+"))) - {"0"}
+        tiles.mma_linear_tiles.cache_clear()
+        tiles.mma_expert_tiles.cache_clear()
 
 
 def _compiled(kernels) -> dict:
@@ -178,28 +189,6 @@ def _compiled(kernels) -> dict:
             for k in entry[0].values():
                 out[id(k)] = (fn.__name__, getattr(k, "n_regs", None), getattr(k, "n_spills", None))
     return out
-
-
-def timeline(fn) -> list[tuple[str, float, float]]:
-    """(kernel, start us, end us) of one graph replay of fn, relative to the first kernel's start. The
-    graph is captured inside the profiled region (kernels of a graph captured before it are not
-    traced one by one); the second of two replays is kept."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        for _ in range(2):
-            g.replay()
-            torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
-                 and not any(w in e.name.lower() for w in ("memcpy", "memset"))), key=lambda e: e.time_range.start)
-    ev = ev[len(ev) // 2:]
-    if not ev:
-        return []
-    t0 = ev[0].time_range.start
-    return [(e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev]
 
 
 def run_cases(experts: str, tokens: list[int], context: int, count: int, case) -> None:
@@ -272,10 +261,14 @@ def main() -> None:
         if args.timeline:
             for name, env in variants:
                 with _Env(env):
-                    rows = timeline(fused)
+                    rows = kernel_timelines(fused, replays=1)[0]
+                    stages = fused_stage_times(fused, args.layers) if args.layers > 1 else {}
                 print(f"  timeline {name} (us: start, end, duration)")
                 for kname, t0, t1 in rows:
                     print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")
+                if stages:
+                    print(f"  {name}, us each stage adds to a layer (median of replays x layers after the first): "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
 
     run_cases(args.experts, tokens, args.context, args.layers, case)
 

@@ -21,9 +21,10 @@ import torch
 
 from minimax_ops.bench import _time, copy_bandwidth, layer_chain
 from minimax_ops.kernels import decode_layer
+from minimax_ops.timeline import kernel_timelines
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (ab_fused beside this script)
-from ab_fused import print_medians, run_cases, timeline  # noqa: E402
+from ab_fused import print_medians, run_cases  # noqa: E402
 
 _NORM, _ROUTE, _STAGES = decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages
 _STATE = {"calls": 0, "remove": set(), "route": {}, "attention": {}}
@@ -88,7 +89,8 @@ def main() -> None:
         if args.timeline:
             print("  timeline of a two-layer graph (us: start, end, duration, since the previous end)")
             prev = 0.0
-            for kname, t0, t1 in timeline(layer_chain(layers[:2], caches[:2], x, residual, meta, fused=True)):
+            for kname, t0, t1 in kernel_timelines(layer_chain(layers[:2], caches[:2], x, residual, meta, fused=True),
+                                                  replays=1)[0]:
                 print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f} {t1 - prev:6.1f}  {kname[:60]}")
                 prev = t1
 

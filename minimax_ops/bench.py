@@ -17,7 +17,8 @@ head) selected, the index keys of every request, and activations. Achieved TB/s 
 time per layer; % is against a device-to-device copy measured in the same run. Requests have
 query_len 1 (one token each), fp8 KV and index caches. Weights are in the layout a deployment loads
 (weights.to_kernel_layout; ``--layout tiled`` / ``canonical``), the same for the fused op and the
-unfused chain; "launches" counts the kernels one fused call (one layer) runs (profiler).
+unfused chain; "launches" counts the kernels one fused call (one layer) runs (profiler). ``--stages``
+also times each stage alone, in a chain of its own, and inside the fused layers (timeline.py).
 MINIMAX_OPS_NO_PDL=1 turns off programmatic dependent launch.
 """
 
@@ -184,17 +185,47 @@ class _StepChoices(TorchDispatchMode):
         return out
 
 
-def chain_bytes(layers, caches, x, residual, meta) -> float:
-    """step_bytes per layer (mean over the chain) of the step the benchmark times: the experts each
-    layer routes to and the KV blocks its indexer selects, read from one eager run of the unfused
-    chain on the same inputs (the fused op computes the same choices up to rounding)."""
+def chain_choices(layers, caches, x, residual, meta) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(expert ids, block ids) of each layer of the step the benchmark times, read from one eager run
+    of the unfused chain on the same inputs (the fused op computes the same choices up to rounding)."""
     with _StepChoices() as seen:
         layer_chain(layers, caches, x, residual, meta, fused=False)()
     if len(seen.ids) != len(layers) or len(seen.blocks) != len(layers):
         raise RuntimeError(f"expected one route and one index_topk per layer, saw {len(seen.ids)} / "
                            f"{len(seen.blocks)} for {len(layers)} layers")
-    return statistics.mean(step_bytes(layer, cache, meta, ids, blocks)
-                           for layer, cache, ids, blocks in zip(layers, caches, seen.ids, seen.blocks))
+    return seen.ids, seen.blocks
+
+
+def chain_bytes(layers, caches, x, residual, meta) -> float:
+    """step_bytes per layer (mean over the chain) of the step the benchmark times (``chain_choices``)."""
+    ids, blocks = chain_choices(layers, caches, x, residual, meta)
+    return statistics.mean(step_bytes(layer, cache, meta, i, b)
+                           for layer, cache, i, b in zip(layers, caches, ids, blocks))
+
+
+def expert_bytes(layer: MiniMaxM3DecoderLayer, topk_ids: torch.Tensor) -> int:
+    """Expert weights a step of this layer streams: the distinct routed experts chosen, and the shared one."""
+    routed = sum(_bytes(t[0]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale) if t is not None)
+    return routed * len(torch.unique(topk_ids)) + sum(
+        _bytes(getattr(layer, k)) for k in ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale"))
+
+
+def fused_stages(layers, caches, meta) -> list[tuple[str, float, int]]:
+    """(stage, us it adds to a fused layer, weight bytes it streams) in a graph of the chained fused
+    layers (timeline.fused_stage_times: time between kernel ends, median over replays and the layers
+    after the first; bytes: the mean over those layers)."""
+    from .timeline import fused_stage_times
+    c = layers[0].config
+    gen = torch.Generator(caches[0].kv.device).manual_seed(0)
+    x = torch.randn(meta.num_tokens, c.hidden_size, generator=gen, device=caches[0].kv.device).to(torch.bfloat16)
+    residual = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
+    ids, _ = chain_choices(layers, caches, x, residual, meta)
+    lay = layers[0]
+    weights = {"qkv + qk norm / RoPE / insert": _bytes(lay.qkv) + _bytes(lay.qkv_scale),
+               "o_proj": _bytes(lay.o_proj) + _bytes(lay.o_proj_scale), "router": _bytes(lay.gate),
+               "experts": statistics.mean(expert_bytes(layer, i) for layer, i in zip(layers[1:], ids[1:]))}
+    times = fused_stage_times(layer_chain(layers, caches, x, residual, meta, fused=True), len(layers))
+    return [(stage, us, int(weights.get(stage, 0))) for stage, us in times.items()]
 
 
 def layer_caches(cfg, count: int, max_tokens: int, max_context: int, device) -> tuple[list[LayerCache], int]:
@@ -246,10 +277,7 @@ def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]
         w, e = mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
         ins.append(dict(layer=layer, cache=cache, qkv=qkv, q=q, iq=iq, ids=ids, attn=attn, w=w, e=e))
     shared = ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
-    expert_bytes = statistics.mean(
-        sum(_bytes(t[0]) for t in (d["layer"].w13, d["layer"].w13_scale, d["layer"].w2, d["layer"].w2_scale)
-            if t is not None) * len(torch.unique(d["e"])) + sum(_bytes(getattr(d["layer"], k)) for k in shared)
-        for d in ins)
+    experts = statistics.mean(expert_bytes(d["layer"], d["e"]) for d in ins)
     lay = layers[0]
     stages = [
         ("add_rmsnorm", lambda d: mm.add_rmsnorm(x, x, d["layer"].input_norm, c.rms_norm_eps), 0),
@@ -275,7 +303,7 @@ def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]
         ("moe_experts", lambda d: mm.moe_experts(
             x, d["e"], d["w"], d["layer"].w13, d["layer"].w13_scale, d["layer"].w2, d["layer"].w2_scale,
             *(getattr(d["layer"], k) for k in shared), c.num_local_experts, c.swiglu_alpha, c.swiglu_limit),
-         expert_bytes),
+         experts),
     ]
     return [(name, _time(lambda: fn(ins[0]), graph=True),
              _time(lambda: [fn(d) for d in ins], graph=True) / len(ins), nbytes) for name, fn, nbytes in stages]
@@ -291,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
-    ap.add_argument("--stages", action="store_true", help="also time each stage: alone, and per call in a chain of the layer copies (first context)")
+    ap.add_argument("--stages", action="store_true",
+                    help="also time each stage: alone, per call in a chain of the layer copies, and (with --layers "
+                         "> 1) inside the fused layers (time between kernel ends, profiler) (first context)")
     ap.add_argument("--layout", choices=("kernel", "words", "tiled", "canonical"), default="kernel",
                     help="weights: weights.to_kernel_layout (kernel: the mxfp4_mma / mxfp8_mma layouts), the same "
                          "without them (MXFP4 as words), tiled, or the checkpoint's")
@@ -331,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                                 f"TB/s of weights)") if nbytes else ""
                         print(f"    stage {name:30s} alone {alone:6.1f} us, in a chain {chained:6.1f} us{rate}",
                               flush=True)
+                    if args.layers > 1:
+                        for name, us, nbytes in fused_stages(layers, caches, meta):
+                            rate = f" ({nbytes / (us * 1e-6) / 1e12:.2f} TB/s of weights)" if nbytes and us > 0 else ""
+                            print(f"    fused layer: {name:30s} {us:6.1f} us{rate}", flush=True)
         del layers
         if args.compile:
             torch._dynamo.reset()  # compiled chains may hold this format's layers

@@ -87,6 +87,50 @@ def test_ab_expert_knobs_patch_one_format_and_restore(tools):
         assert tiles() == base
 
 
+def test_ab_warp_split_knob_moves_splits_to_the_grid_and_restores(tools):
+    """WS=gemv+w13: o_proj's and the one-token w13's K splits made by the programs' warps, WS=0: all by
+    the grid, WS=w13: w13's only; each for the variant only."""
+    ab = tools("ab_fused")
+    from minimax_ops.kernels.tiles import mma_expert_tiles, mma_linear_tiles
+
+    def tiles():
+        return mma_linear_tiles(6144, 8192, 132, True), mma_expert_tiles(6144, True, one_token=True)
+    base = tiles()
+    with ab._Env({"WS": "gemv+w13"}):
+        warps = tiles()
+        assert warps[0].warp_split > 1 and warps[1].warp_split > 1
+    with ab._Env({"WS": "0"}):
+        grid = tiles()
+        for t, w in zip(grid, warps):
+            assert t.warp_split == 1 and t.split == w.split * w.warp_split
+    with ab._Env({"WS": "w13"}):
+        assert tiles() == (grid[0], warps[1])
+    assert tiles() == base
+
+
+def test_fused_stage_times_from_a_timeline():
+    """Each kernel adds the time from its predecessor's end to its own end to its stage; the first of a
+    layer's two norms is the input norm; the first layer (no predecessor in the graph) is left out."""
+    from minimax_ops.timeline import layer_stage_times, stage_of
+    names = ["_rmsnorm_kernel", "_qkv_norm_rope_insert_kernel", "_index_score_kernel", "_attention_split_kernel",
+             "_attention_merge_kernel", "_mma_linear_kernel", "_rmsnorm_kernel", "_router_logits_kernel",
+             "_mma_w13_kernel", "_mma_w2_kernel", "_moe_combine_kernel"]
+    ends = [2.0, 20.0, 23.0, 29.0, 31.0, 46.0, 48.0, 53.0, 86.0, 102.0, 104.0]
+    run = [(n, e - 1.5, e) for n, e in zip(names, ends)] + [(n, e + 103.5, e + 105.0) for n, e in zip(names, ends)]
+    (times,) = layer_stage_times(run, 2)
+    assert times["input norm"] == pytest.approx(3.0)  # 107 - 104
+    assert times["qkv + qk norm / RoPE / insert"] == pytest.approx(18.0)
+    assert times["index + top-k + attention"] == pytest.approx(11.0)
+    assert times["o_proj"] == pytest.approx(15.0)
+    assert times["post-attention norm"] == pytest.approx(2.0)
+    assert times["router"] == pytest.approx(5.0)
+    assert times["experts"] == pytest.approx(51.0)
+    assert times["layer"] == pytest.approx(105.0) == pytest.approx(sum(v for k, v in times.items() if k != "layer"))
+    assert stage_of("_slot_table_kernel") == "experts" and stage_of("some_other_kernel") == "some_other_kernel"
+    with pytest.raises(ValueError, match="do not split into 3 layers"):
+        layer_stage_times(run, 3)
+
+
 def test_ab_attention_knob_patches_split_launch_and_restores(tools):
     """ATTN= sets the sparse attention split kernel's programs per SM and stages for the variant only."""
     ab = tools("ab_fused")

@@ -65,9 +65,52 @@ def test_mxfp4_diagnostic_halves_keep_their_half():
     full, decode, mma = (_mxfp4_block_ptx(p) for p in ("", "decode_only", "mma_only"))
     assert full.count("mma.sync") == 4 and full.count("mul.rn.bf16x2") == 16
     assert decode.count("mma.sync") == 0 and decode.count("mul.rn.bf16x2") == 16
+    assert "prmt" in full and "prmt" in decode  # (the decode's fourth pair: so mma_only's has none to drop)
     assert mma.count("mma.sync") == 4 and mma.count("mul.rn.bf16x2") == 0 and "prmt" not in mma
     for text in (full, decode, mma):
         assert all(f"${i}" in text for i in range(24)), text
+
+
+def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """Evaluates the mov / prmt (default mode) / shl lines of a PTX snippet on 32-bit registers."""
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+    for line in text.replace("{", "").replace("}", "").split(";"):
+        op, _, args = line.strip().partition(" ")
+        if not op or op.startswith(".reg"):
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            pool = [(val(src[0]) >> 8 * i) & 0xFF for i in range(4)] + [(val(src[1]) >> 8 * i) & 0xFF for i in range(4)]
+            out = 0
+            for i in range(4):
+                sel = (val(src[2]) >> 4 * i) & 0xF
+                byte = pool[sel & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
+            regs[dst] = out
+        else:
+            raise AssertionError(f"unexpected instruction {op!r}")
+    return regs
+
+
+def test_scale_words_put_each_byte_in_both_bf16_exponents():
+    """_SCALE_WORDS (mma_decode.scale_words' PTX), evaluated on random packed scale bytes: register e is the
+    bf16x2 word whose two halves are 2^(byte e - 127) (the byte as the exponent field, sign and mantissa 0)."""
+    from minimax_ops.kernels.mma_decode import _SCALE_WORDS
+    gen = torch.Generator().manual_seed(11)
+    for packed in torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist():
+        regs = _run_ptx(_SCALE_WORDS.value, {"$4": packed})
+        for e in range(4):
+            byte = (packed >> 8 * e) & 0xFF
+            halves = torch.tensor([regs[f"${e}"] & 0xFFFF, regs[f"${e}"] >> 16], dtype=torch.int32)
+            assert regs[f"${e}"] == (byte << 7) | (byte << 23), (hex(packed), e)
+            if 0 < byte < 255:
+                values = (halves << 16).view(torch.float32).double()
+                assert values.tolist() == [2.0 ** (byte - 127)] * 2
 
 
 def test_fp8_value_positions_and_bit_decode():
@@ -189,14 +232,17 @@ def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
 
 
 # (w13 split, depth, w2 split, depth, L2 prefetch steps of both: no table uses one, the tiles allow it; PTX only)
-_TILE_CASES = {"mxfp4": ((1, 1, 1, 1, 0), (2, 1, 2, 1, 2), (4, 1, 1, 2, 0), (1, 2, 2, 1, 1)),
-               "mxfp8": ((2, 1, 2, 1, 2), (1, 2, 1, 2, 0))}
+# (w13 grid splits, w13 warp splits, w13 depth, w2 splits, w2 depth, L2 prefetch steps)
+_TILE_CASES = {"mxfp4": ((1, 1, 1, 1, 1, 0), (2, 1, 1, 2, 1, 2), (4, 1, 1, 1, 2, 0), (1, 1, 2, 2, 1, 1),
+                         (1, 2, 1, 1, 1, 0), (2, 2, 1, 2, 1, 0), (1, 2, 2, 1, 1, 0)),
+               "mxfp8": ((2, 1, 1, 2, 1, 2), (1, 1, 2, 1, 2, 0), (1, 2, 1, 1, 1, 0))}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 def test_moe_splits_depths_and_padding_rows(device, fmt):
-    """H split of w13 (partials summed by the last split), I split of w2, load depths, L2 prefetch
-    distances, a shared expert of another size merged into the routed launches; zero-weight padding rows."""
+    """H split of w13 (by the grid: partials summed by the last split; by a program's warps: summed
+    through shared memory; both), I split of w2, load depths, L2 prefetch distances, a shared expert
+    of another size merged into the routed launches; zero-weight padding rows."""
     torch.manual_seed(7)
     n = 5
     h = torch.randn(n, H, device=device).bfloat16()
@@ -207,8 +253,9 @@ def test_moe_splits_depths_and_padding_rows(device, fmt):
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
     fp8 = fmt == "mxfp8"
     base13, base2 = mma_expert_tiles(H, True, fp8=fp8), mma_expert_tiles(I, False, fp8=fp8)
-    for s13, d13, s2, d2, prefetch in _TILE_CASES[fmt]:
-        t13 = dataclasses.replace(base13, split=s13, k_chunks=d13, num_warps=2, num_stages=1 + prefetch)
+    for s13, ws13, d13, s2, d2, prefetch in _TILE_CASES[fmt]:
+        t13 = dataclasses.replace(base13, split=s13, warp_split=ws13, k_chunks=d13, num_warps=2,
+                                  num_stages=1 + prefetch)
         t2 = dataclasses.replace(base2, split=s2, k_chunks=d2, num_warps=1, num_stages=1 + prefetch)
         out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
         assert rel_err(out, want) < 1.5e-2, (t13, t2)
@@ -317,7 +364,8 @@ def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
     # (depth 4 x 2 warps is the slowest to emulate: CUDA only; depth 2 already takes the halves path)
     cases = ((1, 2), (2, 1), (4, 2)) if device == "cuda" else ((1, 2), (2, 1))
     for depth, warps in cases:
-        t13 = dataclasses.replace(base13, k_chunks=depth, num_warps=warps, num_stages=1)  # (no L2 prefetch: PTX)
+        t13 = dataclasses.replace(base13, k_chunks=depth, num_warps=warps, num_stages=1,
+                                  warp_split=1)  # (no L2 prefetch: PTX)
         streams = {paired: moe_experts(h, ids, weights, *mma, num_routed_experts=E,
                                        tiles=(dataclasses.replace(t13, paired=paired), t2))
                    for paired in (True, False)}
@@ -349,7 +397,7 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
         ids, weights = _routing(n, device)
         want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
         for s13, s2 in ((1, 1), (2, 5))[:2 if device == "cuda" else 1]:  # K splits: w13 4 / 2 steps, w2 5 / 1
-            t13 = dataclasses.replace(base13, split=s13, k_chunks=1, num_warps=1, num_stages=1)
+            t13 = dataclasses.replace(base13, split=s13, k_chunks=1, num_warps=1, num_stages=1, warp_split=1)
             t2 = dataclasses.replace(base2, split=s2, k_chunks=1, num_warps=1, num_stages=1)
             two = moe_experts(h, ids, weights, *mma, num_routed_experts=E,
                               tiles=(dataclasses.replace(t13, ring=2), dataclasses.replace(t2, ring=2)))
@@ -413,7 +461,8 @@ def test_shared_expert_takes_a_slot_per_pass(shared, device, monkeypatch):
     canonical, mma = _tables(device, E + (shared == "table"), shared != "table", 64 if shared == "own" else inter,
                              "mxfp4", hidden, inter)
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
-    t13 = dataclasses.replace(mma_expert_tiles(hidden, True), split=2, k_chunks=1)  # (2 K blocks: one a split)
+    t13 = dataclasses.replace(mma_expert_tiles(hidden, True), split=2, k_chunks=1,
+                              warp_split=1)  # (2 K blocks: one a split)
     t2 = mma_expert_tiles(inter, False)
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=(t13, t2))
     assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2

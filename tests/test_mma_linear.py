@@ -7,10 +7,13 @@ tile cases say). Both are checked against the fp32 product of the dequantized ca
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from minimax_ops.formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA, dequantize, quantize, to_mma_layout
+from minimax_ops.kernels import tiles as tile_module
 from minimax_ops.kernels.linear_mma import mma_linear
 from minimax_ops.kernels.mx_linear import mx_linear
 from minimax_ops.kernels.tiles import MmaLinearTiles, mma_linear_tiles
@@ -40,27 +43,38 @@ def test_mma_linear_matches_reference(fmt, m, device):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 def test_mma_linear_splits_and_depths(fmt, device):
-    """K splits (partials, last arrival sums them), load depths, row blocks per program, an N that
-    does not fill the last program, strided x rows, padding rows of zeros."""
+    """K splits (partials, last arrival sums them; or made by a program's warps, summed through shared
+    memory; or both), load depths, row blocks per program, an N that does not fill the last program,
+    strided x rows, padding rows of zeros."""
     torch.manual_seed(3)
     want_w, mw, ms = _weight(fmt, 80, 512, device)
     x = torch.randn(6, 640, device=device).bfloat16()[:, 64:576]  # rows 1280 bytes apart
     x[4] = 0
     want = x.float() @ want_w.T
-    for tiles in (MmaLinearTiles(4, 2, 2, 2), MmaLinearTiles(2, 1, 0, 8), MmaLinearTiles(1, 4, 1, 1)):
+    for tiles in (MmaLinearTiles(4, 2, 2, 2), MmaLinearTiles(2, 1, 0, 8), MmaLinearTiles(1, 4, 1, 1),
+                  MmaLinearTiles(4, 1, 0, 2, warp_split=2), MmaLinearTiles(8, 1, 0, 1, warp_split=8)):
         y = mma_linear(x, mw, ms, FMT_MXFP8_MMA if fmt == "mxfp8" else FMT_MXFP4_MMA, torch.float32, tiles=tiles)
         assert rel_err(y, want) < 1e-5, tiles
         assert (y[4] == 0).all()
     with pytest.raises(ValueError, match="tiles: weight's 3 splits"):
         mma_linear(x, mw, ms, FMT_MXFP4_MMA if fmt == "mxfp4" else FMT_MXFP8_MMA, torch.float32,
                    tiles=MmaLinearTiles(1, 1, 0, 3))
+    with pytest.raises(ValueError, match="warp_split 3 must divide num_warps 4"):
+        mma_linear(x, mw, ms, FMT_MXFP4_MMA if fmt == "mxfp4" else FMT_MXFP8_MMA, torch.float32,
+                   tiles=MmaLinearTiles(4, 1, 0, 1, warp_split=3))
 
 
 def test_mma_linear_tiles_fill_the_gpu():
     """Real sizes: qkv 9856 x 6144, o_proj 6144 x 8192 split K until ~16 row-block streams per SM
-    (whole load steps per split), a small matrix is not split."""
+    (whole load steps per split), the splits made by the program's warps where they divide them if
+    tiles.WARP_SPLIT names the GEMVs (never where the caller's programs must own num_warps row
+    blocks), a small matrix is not split."""
     for n, k, fp8 in ((9856, 6144, True), (6144, 8192, True), (9856, 6144, False)):
         t = mma_linear_tiles(n, k, 132, fp8)
-        assert (k // 64) % (t.depth * t.split) == 0
-        assert (n // 16) * t.split >= 16 * 132 or t.split == 8
-    assert mma_linear_tiles(64, 128, 132, True).split in (1, 2)
+        parts = t.split * t.warp_split
+        assert (k // 64) % (t.depth * parts) == 0
+        assert (n // 16) * parts >= 16 * 132 or parts == 8
+        assert t.warp_split == (math.gcd(t.num_warps, parts) if "gemv" in tile_module.WARP_SPLIT else 1)
+        whole = mma_linear_tiles(n, k, 132, fp8, warp_split=False)
+        assert whole.warp_split == 1 and whole.split == parts
+    assert mma_linear_tiles(64, 128, 132, True).split * mma_linear_tiles(64, 128, 132, True).warp_split in (1, 2)

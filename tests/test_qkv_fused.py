@@ -145,10 +145,14 @@ def test_one_kernel_matches_the_chain(fmt, n, caches, split, sparse, device, mon
 @pytest.mark.parametrize("fmt,n", [("mxfp8", 3), ("mxfp4", 1)])
 def test_default_tiles_head_dim_128(fmt, n, device, monkeypatch):
     """head_dim 128: on CUDA the heuristic's own tiles (8 row blocks a program) take the one-kernel
-    path, and match mx_linear + qk_norm_rope_insert bit for bit."""
+    path, and match the GEMV with those tiles + qk_norm_rope_insert bit for bit. (mx_linear's own
+    tiles may split K by the warps, which a program owning a head's rows cannot: other sums.)"""
     a, dense_w, kw = _case(WIDE, True, n, 128, fmt, FP8, FP8, device, seed=7 + n)
+    code = FMT_MXFP8_MMA if fmt == "mxfp8" else FMT_MXFP4_MMA
+    plan = qkv_mma.one_kernel_tiles(True, code == FMT_MXFP8_MMA, a["w"].shape[0] * 16, 128, WIDE[3], a["h"].device)
+    assert plan is not None and plan[0].warp_split == 1
     kv2, index2 = a["kv"].clone(), a["index"].clone()
-    want = _run(_two_kernels, a, kv2, index2, kw)
+    want = _run(_two_kernels, a, kv2, index2, kw, tiles=plan[0], fmt_code=code)
     kv1, index1 = a["kv"].clone(), a["index"].clone()
     _forbid_two_kernels(monkeypatch)
     got = _run(qkv_mma.qkv_norm_rope_insert, a, kv1, index1, kw)

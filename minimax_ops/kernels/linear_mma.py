@@ -4,8 +4,10 @@ registers, no shared memory), for the decode steps' 1..16 tokens.
 
 Grid (group of NW row blocks, K split): warp w streams row block NW * pid + w (16 rows) over its
 split of K for the step's tokens, 8 a group, two groups per weight load (so 9..16 tokens read the
-weights once). One split stores y; several store fp32 partials and the last split of a group to
-finish sums them in a fixed order (splitk.py). Launched as a programmatic dependent, a program
+weights once). With a warp split (KS, tiles.split_in_warps) the NW warps stream NW / KS row blocks,
+KS parts of the split each, and sum the parts through shared memory. One grid split stores y;
+several store fp32 partials and the last split of a group to finish sums them in a fixed order
+(splitk.py). Launched as a programmatic dependent, a program
 reads its first weight step (steps of one token group: mma_decode.preload_first) or, with tiles
 that say so, asks L2 for its first load steps, before it waits for x. Tiles come from
 tiles.mma_linear_tiles.
@@ -21,8 +23,8 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
-                         prefetch_step, preload_first, preloads, stream_pointers, warp_rows)
+from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
+                         mma_operands, prefetch_step, preload_first, preloads, stream_pointers, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import MmaLinearTiles, check_k_steps, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
@@ -33,20 +35,24 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr = False):
+                       PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
     columns of out complete (one split: every program; else the last to arrive), so a caller can
     run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads).
-    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks)."""
+    PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks).
+    KS: the NW warps stream NW // KS row blocks (the group) in KS parts of the split's K each, summed
+    through shared memory (mma_decode.warp_parts / fold_warps)."""
+    NWR: tl.constexpr = NW // KS  # row blocks of the group
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
-    rb = tl.minimum(tl.program_id(0) * NW + warp_rows(NW, DEPTH), n_blocks - 1).to(tl.int64)
+    row_block, k_part = warp_parts(NW, DEPTH, KS)
+    rb = tl.minimum(tl.program_id(0) * NWR + row_block, n_blocks - 1).to(tl.int64)
     w_rows, s_rows = w_ptr + rb * stride_wb, s_ptr + rb * stride_sb
-    kb_split = k_blocks // SPLIT
-    kb_begin = tl.program_id(1) * kb_split
+    kb_split = k_blocks // (SPLIT * KS)
+    kb_begin = (tl.program_id(1) * KS + k_part) * kb_split
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
@@ -59,8 +65,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
         gdc_wait()
         gdc_launch_dependents()
     d, g, c, e = fragment_index(NW, DEPTH)
-    d1, g1, c1, e1 = fragment_index(NW, 1)
-    n_out = (tl.program_id(0) * NW + warp_rows(NW, 1)) * 16 + g1 + 8 * (e1 // 2)
+    d1, g1, c1, e1 = fragment_index(NWR, 1)
+    n_out = (tl.program_id(0) * NWR + warp_rows(NWR, 1)) * 16 + g1 + 8 * (e1 // 2)
     mn = (tl.zeros([], dtype=tl.int64) + M) * N
     for m0 in range(0, M, 2 * TOKENS):
         x_rows = x_ptr + tl.minimum(m0 + g, M - 1).to(tl.int64) * stride_xm
@@ -73,7 +79,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
                                      PREFETCH, FP8, PDL, 1, PRELOADED=PRELOAD, first=step0)
         for half in tl.static_range(2):
-            part = fold(acc if half == 0 else acc2, NW, DEPTH)
+            part = fold_warps(fold(acc if half == 0 else acc2, NW, DEPTH), NW, KS)
             tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
             ok = (tok < M) & (n_out < N)
             if SPLIT == 1:
@@ -97,21 +103,24 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr):
-    """Grid (groups of NW row blocks, SPLIT); arguments as mma_linear_program's."""
+                       PRELOAD: tl.constexpr, KS: tl.constexpr = 1):
+    """Grid (groups of NW // KS row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
+                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, KS)
 
 
-def linear_tiles(n: int, k: int, device: torch.device, fp8: bool,
-                 tiles: MmaLinearTiles | None = None) -> tuple[MmaLinearTiles, bool]:
-    """(tiles, PTX decode) of an mma-layout GEMV [N, K] on ``device``: ``tiles`` or the heuristic's,
-    the portable ones where the PTX does not run (shared with qkv_mma, whose GEMV must match)."""
+def linear_tiles(n: int, k: int, device: torch.device, fp8: bool, tiles: MmaLinearTiles | None = None,
+                 warp_split: bool = True) -> tuple[MmaLinearTiles, bool]:
+    """(tiles, PTX decode) of an mma-layout GEMV [N, K] on ``device``: ``tiles`` or the heuristic's
+    (``warp_split`` as mma_linear_tiles'), the portable ones where the PTX does not run (shared with
+    qkv_mma, whose GEMV must match)."""
     ptx = use_ptx(device)
-    t = tiles or mma_linear_tiles(n, k, num_sms(device), fp8)
+    t = tiles or mma_linear_tiles(n, k, num_sms(device), fp8, warp_split)
+    if t.warp_split < 1 or t.num_warps % t.warp_split:
+        raise ValueError(f"tiles: warp_split {t.warp_split} must divide num_warps {t.num_warps}")
     if not ptx:
         t = portable_mma_tiles(t)
-    check_k_steps("weight", t.split, t.depth, k)
+    check_k_steps("weight", t.split * t.warp_split, t.depth, k)
     return t, ptx
 
 
@@ -149,15 +158,15 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     t, ptx = linear_tiles(n, k, x.device, fp8, tiles)
     w, s = mma_operands("weight", weight, scale)
     x32 = aligned_x(x)
-    groups = triton.cdiv(n // MMA_ROWS, t.num_warps)
+    groups = triton.cdiv(n // MMA_ROWS, t.row_blocks)
     split, part, counters = split_buffers(x.device, groups, t.split, m, n, out)
     pdl = pdl and pdl_supported(x.device)
     _mma_linear_kernel[(groups, split)](
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
-        PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), num_warps=t.num_warps, num_stages=1,
-        launch_pdl=pdl, **register_cap(t))
+        PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), KS=t.warp_split, num_warps=t.num_warps,
+        num_stages=1, launch_pdl=pdl, **register_cap(t))
     return out
 
 
@@ -186,8 +195,9 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
-                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1)),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                         f"_s{t.split}", max_registers=t.max_registers))
+                         f"_s{t.split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
+                    max_registers=t.max_registers))
     return specs

@@ -551,6 +551,27 @@ def warp_rows(NW: tl.constexpr, DEPTH: tl.constexpr):
     return (tl.arange(0, DEPTH * NW * 32)[:, None] % (NW * 32)) // 32
 
 
+@triton.jit
+def warp_parts(NW: tl.constexpr, DEPTH: tl.constexpr, KS: tl.constexpr):
+    """(row block of the program, K part) of each row of a fragment-order [DEPTH * NW * 32, 4] tensor
+    whose NW warps stream NW // KS row blocks in KS parts of K each (warp w: row block w % (NW // KS),
+    part w // (NW // KS)), [R, 1] each. KS = 1: every warp its own row block, all of K."""
+    w = warp_rows(NW, DEPTH)
+    return w % (NW // KS), w // (NW // KS)
+
+
+@triton.jit
+def fold_warps(acc, NW: tl.constexpr, KS: tl.constexpr):
+    """Folded [NW * 32, 4] accumulators of warps streaming KS K parts (``warp_parts``) ->
+    [NW // KS * 32, 4]: their sum in a fixed order, through shared memory, so a K split inside a
+    program needs no fp32 partials in global memory and no arrival counter (splitk.py)."""
+    if KS == 1:
+        out = acc
+    else:
+        out = tl.sum(tl.reshape(acc, [KS, NW // KS * 32, 4]), axis=0)
+    return out
+
+
 def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks as int32 words and the scale bytes as they are, after checking what the kernels
     assume of them (see check_aligned)."""

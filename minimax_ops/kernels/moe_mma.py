@@ -6,11 +6,13 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 - ``_mma_w13_kernel`` (slot, group of NW gate blocks, H split): warp w streams gate row block i and
   up row block I/16 + i (16 rows each) over its split of H for up to 8 tokens at a time, then
   SwiGLU-OAI -> bf16 a[token, top-k column, i] (split: fp32 partials, the last split to finish sums
-  them in order). MXFP4 steps stream the gate and up blocks of each K block together (``PAIRED``,
-  ExpertTiles.paired: block_stream's PAIR): one set of x registers feeds both mma chains, each
-  matrix at half the load depth (the same bytes per step) in half as many accumulator sets, and no
-  gate result is held while up streams: fewer registers, so more programs fit per SM (one-token
-  steps also split H in two: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
+  them in order). With a warp split (KS, ExpertTiles.warp_split) a program's NW warps stream NW / KS
+  gate blocks, KS parts of H each, summed through shared memory (no partials, no arrival). MXFP4
+  steps stream the gate and up blocks of each K block together (``PAIRED``, ExpertTiles.paired:
+  block_stream's PAIR): one set of x registers feeds both mma chains, each matrix at half the load
+  depth (the same bytes per step) in half as many accumulator sets, and no gate result is held
+  while up streams: fewer registers, so more programs fit per SM (one-token steps also split H in
+  two, by the warps: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
   already at 3+ programs per SM) and paired token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
   fp32 for the split's K blocks; moe.py's combine sums the splits. One-token steps hold three of its
@@ -40,8 +42,8 @@ from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
                            slot_weights, swiglu_oai)
-from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fragment_index, mma_operands,
-                         pair_sets, preload_first, preloads, warp_rows)
+from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
+                         mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, mma_expert_tiles, portable_mma_tiles, register_cap
@@ -203,11 +205,13 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                     TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
-                    RING: tl.constexpr = 2):
+                    RING: tl.constexpr = 2, KS: tl.constexpr = 1):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
-    tile's splits to finish sums them in order and applies SwiGLU.
+    tile's splits to finish sums them in order and applies SwiGLU. KS: the NW warps stream NW // KS
+    (gate, up) row blocks, KS parts of the split's H each, summed through shared memory
+    (mma_decode.warp_parts / fold_warps).
 
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
     expert's slots (``_shared_pass``) need only h, complete since the router passed its own wait: they
@@ -216,6 +220,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
+    NWR: tl.constexpr = NW // KS  # (gate, up) row blocks of the program
     if PDL:
         if SHARED_SLOT:
             if _shared_pass(shared_slots) < 0:
@@ -232,13 +237,14 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
     row_w, row_s = tl.multiple_of(row_w, 16), tl.multiple_of(row_s, 16)
     i_blocks = inter_e // 16
-    if (expert >= 0) & (tl.program_id(1) * NW < i_blocks):
+    if (expert >= 0) & (tl.program_id(1) * NWR < i_blocks):
         d, g, c, e = fragment_index(NW, DEPTH)
-        ib = tl.minimum(tl.program_id(1) * NW + warp_rows(NW, DEPTH), i_blocks - 1).to(tl.int64)
+        row_block, k_part = warp_parts(NW, DEPTH, KS)
+        ib = tl.minimum(tl.program_id(1) * NWR + row_block, i_blocks - 1).to(tl.int64)
         gate_w, up_w = w_base + ib * row_w, w_base + (ib + i_blocks) * row_w
         gate_s, up_s = s_base + ib * row_s, s_base + (ib + i_blocks) * row_s
-        kb_split = k_blocks // SPLIT
-        kb_begin = tl.program_id(2) * kb_split
+        kb_split = k_blocks // (SPLIT * KS)
+        kb_begin = (tl.program_id(2) * KS + k_part) * kb_split
         n_steps = kb_split // DEPTH
         for m0 in range(first_rank, ranks, STEP):
             go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact,
@@ -268,19 +274,20 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
-                _store_gate_up(fold(gate, NW, SETS), fold(up, NW, SETS), first, compact, inter_e, ids_ptr, row_ptr,
-                               n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit, stride_pm,
-                               stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NW, TABLE)
+                _store_gate_up(fold_warps(fold(gate, NW, SETS), NW, KS), fold_warps(fold(up, NW, SETS), NW, KS), first,
+                               compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+                               stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK,
+                               K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
                 if both:
-                    _store_gate_up(fold(gate2, NW, DEPTH), fold(up2, NW, DEPTH), m0 + TOKENS, compact, inter_e, ids_ptr,
-                                   row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am, stride_acol, stride_psplit,
-                                   stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT,
-                                   NW, TABLE)
+                    _store_gate_up(fold_warps(fold(gate2, NW, DEPTH), NW, KS), fold_warps(fold(up2, NW, DEPTH), NW, KS),
+                                   m0 + TOKENS, compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr,
+                                   stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
+                                   NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
                 for m0 in range(first_rank, tl.where(_shared_pass(shared_slots) >= 0, ranks, n_tokens),
                                 TOKENS):  # (routed slots: by token)
-                    tok, i_out = _fragment_out(m0, NW)
+                    tok, i_out = _fragment_out(m0, NWR)
                     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
                     ok = (col >= 0) & (i_out < inter_e)
                     if tl.max(tl.max(col, axis=1), axis=0) >= 0:
@@ -401,7 +408,11 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     ptx = use_ptx(h.device) if t13.ptx is None else t13.ptx
     if not ptx:
         t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
-    check_k_steps("w13", t13.split, t13.k_chunks, hidden)
+    check_k_steps("w13", t13.split * t13.warp_split, t13.k_chunks, hidden)
+    if t13.warp_split < 1 or t13.num_warps % t13.warp_split:
+        raise ValueError(f"tiles: w13's warp_split {t13.warp_split} must divide its num_warps {t13.num_warps}")
+    if t2.warp_split != 1:
+        raise ValueError(f"tiles: w2 splits K by the grid only, got warp_split {t2.warp_split}")
     check_k_steps("w2", t2.split, t2.k_chunks, inter, *((w13.inter_shared,) if shared_separate else ()))
     two = _two_groups(w13.fmt, n, ptx)
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
@@ -417,7 +428,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     h32, a32 = h.view(torch.int32), a.view(torch.int32)
     check_aligned("h / the activation buffer", h32.unsqueeze(-1), a32.unsqueeze(-1))
     nw13 = t13.num_warps
-    groups = triton.cdiv(inter_max // 16, nw13)
+    groups = triton.cdiv(inter_max // 16, t13.row_blocks)
     split = t13.split
     counters = split_counters(h.device, slots * groups) if split > 1 else None
     if counters is None or part is None:
@@ -432,7 +443,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
         PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),
-        RING=t13.ring, **common)
+        RING=t13.ring, KS=t13.warp_split, **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -510,18 +521,21 @@ def aot_specs() -> list[KernelSpec]:
         label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                  f"{'' if compact else '_fixed'}{'_two' if two else ''}")
         tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
-        for split in sorted({t13.split, 2}) if not paired else (t13.split,):  # (paired: the tiles' split)
-            if (label, "w13", t13, split, table) in seen:
+        # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
+        # and unpaired also two grid splits
+        forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
+        for split, ws in sorted(forms):
+            if (label, "w13", t13, split, ws, table) in seen:
                 continue
-            seen.add((label, "w13", t13, split, table))
+            seen.add((label, "w13", t13, split, ws, table))
             specs.append(KernelSpec(
                 _mma_w13_kernel, sig13,
                 dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
                      SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired, TABLE=table,
-                     RING=t13.ring),
+                     RING=t13.ring, KS=ws),
                 num_warps=t13.num_warps, num_stages=1, targets=targets,
-                name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{'_paired' if paired else ''}"
-                     f"{'_table' if table else ''}",
+                name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
+                     f"{'_paired' if paired else ''}{'_table' if table else ''}",
                 max_registers=t13.max_registers))
         if (label, "w2", t2, preload, table) not in seen:
             seen.add((label, "w2", t2, preload, table))

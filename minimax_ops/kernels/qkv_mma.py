@@ -76,9 +76,9 @@ def one_kernel_tiles(mma: bool, fp8: bool, n: int, k: int, head_dim: int, device
     off PTX the row blocks per program are head_dim / 16."""
     if not mma:
         return None
-    t, ptx = linear_tiles(n, k, device, fp8, tiles)
+    t, ptx = linear_tiles(n, k, device, fp8, tiles, warp_split=False)  # (a program owns its segment's rows)
     t = _segment_tiles(t, ptx, head_dim)
-    return (t, ptx) if t.num_warps * MMA_ROWS == head_dim else None
+    return (t, ptx) if t.num_warps * MMA_ROWS == head_dim and t.warp_split == 1 else None
 
 
 def _segment_tiles(t: MmaLinearTiles, ptx: bool, head_dim: int) -> MmaLinearTiles:
@@ -159,7 +159,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
           tokens: int, targets: tuple = ()) -> KernelSpec:
     heads, kv_heads, index_heads, dim = shape[:4]
     n = qkv_width(heads, kv_heads, dim, index_heads if idx_t else 0, dim)
-    t = mma_linear_tiles(n, k, 132, fp8)
+    t = mma_linear_tiles(n, k, 132, fp8, warp_split=False)
     t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import torch
@@ -114,6 +115,12 @@ class ExpertTiles:
     max_registers: int = 0  # ptxas register cap of the mma-layout kernels' PTX launch (0: the compiler's choice)
     paired: bool = False  # mma-layout w13: each K block's gate and up blocks in one stream (moe_mma's PAIRED)
     ring: int = 2  # mma-layout kernels: load steps held in registers (mma_decode.block_stream's RING, 2 or 3)
+    warp_split: int = 1  # mma-layout kernels: K splits by each program's warps (tiles.split_in_warps)
+
+    @property
+    def row_blocks(self) -> int:
+        """mma-layout kernels: row blocks (16 rows; w13: gate + up pairs) per program."""
+        return self.num_warps // self.warp_split
 
 
 # Per format, per kernel (w13, w2): (weight rows per program, largest BLOCK_K, num_warps, num_stages,
@@ -174,10 +181,11 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # the tiles keep the option (tests run it).
 # mxfp4_mma, from A/B runs inside the fused layer on the H200 (BENCHMARKS.md): w13 paired; one-token
 # steps load 2 blocks a matrix per step and split K in two at 128 registers (480 programs, 4 per SM: all
-# resident at once), larger steps load 2 unsplit at 128 registers; w2 capped at 128 registers (4 programs
-# per SM), 2 blocks a step (4 measured slower at one token in the seventeenth session).
-# mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two, gate then
-# up, both kernels at 128 registers (4 programs per SM).
+# resident at once; the two parts made by each program's warps, WARP_SPLIT below), larger steps load 2
+# unsplit at 128 registers; w2 capped at 128 registers (4 programs per SM), 2 blocks a step (4 measured
+# slower at one token in the seventeenth session).
+# mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two (by the
+# warps), gate then up, both kernels at 128 registers (4 programs per SM).
 # One-token w2 (both formats) holds three load steps in registers, x loaded at each product (block_stream's
 # RING 3; twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs).
 _MMA_EXPERT_TILES = {
@@ -196,56 +204,82 @@ _MMA_EXPERT_TILES = {
 _MMA_LINEAR_TILES = {False: (8, 4, 0, 0), True: (8, 1, 0, 80)}
 _MMA_LINEAR_WARPS_PER_SM = 18
 _MMA_LINEAR_MAX_SPLIT = 8
+# The kernels ("gemv": the mma-layout GEMVs, "w13": the mma-layout w13) whose K splits that divide a
+# program's warps are made by its warps (``warp_split``) instead of by the grid: the parts meet in
+# shared memory, not as fp32 partials that the last program to arrive sums (splitk.py: a store, an
+# arrival and a read of L2 at the tail of every program). w13 gained from it on the H200; o_proj,
+# one row block a program in 8 parts, lost more (BENCHMARKS.md, twenty-fifth session). Read when
+# tiles are asked for (the tile functions' caches must then be cleared), so A/B runs switch it.
+WARP_SPLIT = frozenset({"w13"})
 
 
 @dataclasses.dataclass(frozen=True)
 class MmaLinearTiles:
-    num_warps: int  # row blocks (16 rows) per program, one per warp
+    num_warps: int  # warps per program, each streaming a row block (16 rows) or a K part of one
     depth: int  # 64-value blocks per load step
     prefetch: int  # L2 prefetch distance in load steps (CUDA)
-    split: int  # K splits (each a whole number of load steps)
+    split: int  # K splits by the grid (each a whole number of load steps)
     max_registers: int = 0  # ptxas register cap of the PTX launch (0: the compiler's choice)
+    warp_split: int = 1  # K splits by each program's warps (divides num_warps: num_warps // it row blocks)
+
+    @property
+    def row_blocks(self) -> int:
+        """Row blocks (16 rows) per program."""
+        return self.num_warps // self.warp_split
 
 
-@functools.lru_cache(maxsize=None)  # every decode step asks, with the same few shapes
-def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool) -> MmaLinearTiles:
-    """Tiles of an mma-layout GEMV [N, K]: the format's row blocks per program and depth, K split
-    (into whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs."""
+def split_in_warps(warps: int, split: int, kernel: str) -> tuple[int, int]:
+    """(grid splits, warp splits) of ``split`` K splits over programs of ``warps`` warps of ``kernel``:
+    as many as divide both made by the warps where WARP_SPLIT names the kernel, the rest by the grid."""
+    ws = math.gcd(warps, split) if kernel in WARP_SPLIT else 1
+    return split // ws, ws
+
+
+@functools.lru_cache(maxsize=None)  # every decode step asks, with the same few shapes (WARP_SPLIT: clear it)
+def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool, warp_split: bool = True) -> MmaLinearTiles:
+    """Tiles of an mma-layout GEMV [N, K]: the format's warps per program and depth, K split (into
+    whole load steps, at most _MMA_LINEAR_MAX_SPLIT) until N/16 x split streams fill the SMs, the
+    splits made by the warps where they can (``split_in_warps``; ``warp_split`` False: by the grid
+    only, for programs that must own num_warps row blocks)."""
     warps, depth, prefetch, max_registers = _MMA_LINEAR_TILES[fp8]
     depth = fit_chunks(k, MMA_K, depth)
     steps = k // MMA_K // depth
     target = _MMA_LINEAR_WARPS_PER_SM * sms
     options = [d for d in range(1, min(steps, _MMA_LINEAR_MAX_SPLIT) + 1) if steps % d == 0]
     split = next((d for d in options if (n // 16) * d >= target), options[-1])
-    return MmaLinearTiles(warps, depth, prefetch, split, max_registers)
+    grid_split, ws = split_in_warps(warps, split, "gemv") if warp_split else (split, 1)
+    return MmaLinearTiles(warps, depth, prefetch, grid_split, max_registers, ws)
 
 
 @functools.lru_cache(maxsize=None)
 def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False,
                      one_token: bool = False) -> ExpertTiles:
     """Tiles of an mma-layout expert launch (_MMA_EXPERT_TILES: by format and whether the step has
-    one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps row
-    blocks per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks;
-    per matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
-    distance, ring the load steps held in registers (a table entry's optional sixth field, else 2)."""
+    one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps warps
+    per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks; per
+    matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
+    distance, ring the load steps held in registers (a table entry's optional sixth field, else 2);
+    w13's K splits made by the program's warps where they can (``split_in_warps``), w2's by the grid."""
     w13_tiles, w2_tiles, paired = _MMA_EXPERT_TILES[(fp8, one_token)]
     warps, depth, prefetch, split, max_registers, *ring = w13_tiles if w13 else w2_tiles
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
         split -= 1
-    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, split, k_chunks=fit_chunks(k // split, MMA_K, depth),
-                       max_registers=max_registers, paired=w13 and paired, ring=ring[0] if ring else 2)
+    grid_split, ws = split_in_warps(warps, split, "w13") if w13 else (split, 1)  # (w2's programs: one split each)
+    return ExpertTiles(16, MMA_K, warps, 1 + prefetch, grid_split, k_chunks=fit_chunks(k // split, MMA_K, depth),
+                       max_registers=max_registers, paired=w13 and paired, ring=ring[0] if ring else 2, warp_split=ws)
 
 
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
-    """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program,
-    one block per step, no L2 prefetch, no register cap and the plain ring of two load steps (its
-    whole-tensor intermediates, and its compile time, grow with the first two; the prefetch, the cap
-    and the ring's register budget are PTX's). The splits stay: they divide K whatever the depth."""
+    """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program
+    (a warp per K part of its warp split), one block per step, no L2 prefetch, no register cap and
+    the plain ring of two load steps (its whole-tensor intermediates, and its compile time, grow with
+    the first two; the prefetch, the cap and the ring's register budget are PTX's). The splits stay:
+    they divide K whatever the depth."""
     if isinstance(t, MmaLinearTiles):
-        return dataclasses.replace(t, num_warps=1, depth=1, prefetch=0, max_registers=0)
-    return dataclasses.replace(t, num_warps=1, k_chunks=1, num_stages=1, max_registers=0,
+        return dataclasses.replace(t, num_warps=t.warp_split, depth=1, prefetch=0, max_registers=0)
+    return dataclasses.replace(t, num_warps=t.warp_split, k_chunks=1, num_stages=1, max_registers=0,
                                ring=2)  # stages: 1 + prefetch
 
 
