@@ -139,14 +139,19 @@ def layer_chain(layers, caches, x, residual, meta, *, fused: bool):
     return run
 
 
+def step_inputs(layers, caches, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, residual) bf16 of the step the benchmark times (seeded: every timing of a case sees the same)."""
+    gen = torch.Generator(caches[0].kv.device).manual_seed(0)
+    x = torch.randn(meta.num_tokens, layers[0].config.hidden_size, generator=gen,
+                    device=caches[0].kv.device).to(torch.bfloat16)
+    return x, torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
+
+
 def bench_case(layers, caches, meta, *, compile_unfused: bool):
     """Microseconds per layer of the chain of all the layers, and of the first layer alone in its own
     graph (the ``*_1layer_us`` keys); bytes per layer; fused kernel launches of one layer."""
-    device = caches[0].kv.device
-    c, depth = layers[0].config, len(layers)
-    gen = torch.Generator(device).manual_seed(0)
-    x = torch.randn(meta.num_tokens, c.hidden_size, generator=gen, device=device).to(torch.bfloat16)
-    residual = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
+    depth = len(layers)
+    x, residual = step_inputs(layers, caches, meta)
     fused, unfused = (layer_chain(layers, caches, x, residual, meta, fused=f) for f in (True, False))
     timed = {"fused_us": fused, "unfused_graph_us": unfused}
     if depth > 1:
@@ -214,17 +219,14 @@ def fused_stages(layers, caches, meta) -> list[tuple[str, float, int]]:
     """(stage, us it adds to a fused layer, weight bytes it streams) in a graph of the chained fused
     layers (timeline.fused_stage_times: time between kernel ends, median over replays and the layers
     after the first; bytes: the mean over those layers)."""
-    from .timeline import fused_stage_times
-    c = layers[0].config
-    gen = torch.Generator(caches[0].kv.device).manual_seed(0)
-    x = torch.randn(meta.num_tokens, c.hidden_size, generator=gen, device=caches[0].kv.device).to(torch.bfloat16)
-    residual = torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16)
+    from . import timeline
+    x, residual = step_inputs(layers, caches, meta)
     ids, _ = chain_choices(layers, caches, x, residual, meta)
     lay = layers[0]
-    weights = {"qkv + qk norm / RoPE / insert": _bytes(lay.qkv) + _bytes(lay.qkv_scale),
-               "o_proj": _bytes(lay.o_proj) + _bytes(lay.o_proj_scale), "router": _bytes(lay.gate),
-               "experts": statistics.mean(expert_bytes(layer, i) for layer, i in zip(layers[1:], ids[1:]))}
-    times = fused_stage_times(layer_chain(layers, caches, x, residual, meta, fused=True), len(layers))
+    weights = {timeline.QKV: _bytes(lay.qkv) + _bytes(lay.qkv_scale),
+               timeline.O_PROJ: _bytes(lay.o_proj) + _bytes(lay.o_proj_scale), timeline.ROUTER: _bytes(lay.gate),
+               timeline.EXPERTS: statistics.mean(expert_bytes(layer, i) for layer, i in zip(layers[1:], ids[1:]))}
+    times = timeline.fused_stage_times(layer_chain(layers, caches, x, residual, meta, fused=True), len(layers))
     return [(stage, us, int(weights.get(stage, 0))) for stage, us in times.items()]
 
 

@@ -15,24 +15,26 @@ import statistics
 
 import torch
 
+QKV, ATTENTION, O_PROJ, ROUTER, EXPERTS = ("qkv + qk norm / RoPE / insert", "index + top-k + attention", "o_proj",
+                                          "router", "experts")
+INPUT_NORM, POST_NORM = "input norm", "post-attention norm"
+STAGE_ORDER = (INPUT_NORM, QKV, ATTENTION, O_PROJ, POST_NORM, ROUTER, EXPERTS)
 # Stage of each kernel a fused layer launches, by the kernel's name (the first match; order matters).
 # The two norms of a layer are told apart by their order (the first is the input norm).
 _STAGES = (
-    ("_qkv_norm_rope_insert_kernel", "qkv + qk norm / RoPE / insert"),
-    ("_qk_norm_rope", "qkv + qk norm / RoPE / insert"),
-    ("_index_", "index + top-k + attention"),
-    ("_attention_", "index + top-k + attention"),
-    ("_router_", "router"),
-    ("_slot_table_kernel", "experts"),
-    ("_w13_kernel", "experts"),
-    ("_w2_kernel", "experts"),
-    ("_moe_combine_kernel", "experts"),
+    ("_qkv_norm_rope_insert_kernel", QKV),
+    ("_qk_norm_rope", QKV),
+    ("_index_", ATTENTION),
+    ("_attention_", ATTENTION),
+    ("_router_", ROUTER),
+    ("_slot_table_kernel", EXPERTS),
+    ("_w13_kernel", EXPERTS),
+    ("_w2_kernel", EXPERTS),
+    ("_moe_combine_kernel", EXPERTS),
     ("_rmsnorm_kernel", "norm"),
-    ("linear", "o_proj"),  # (the GEMV after the attention; the qkv GEMV runs in the qkv kernel)
+    ("linear", O_PROJ),  # (the GEMV after the attention; the qkv GEMV runs in the qkv kernel)
 )
 REPLAY_GAP_US = 30.0  # idle time that separates two replays (kernels of one replay follow within a few us)
-STAGE_ORDER = ("input norm", "qkv + qk norm / RoPE / insert", "index + top-k + attention", "o_proj",
-               "post-attention norm", "router", "experts")
 
 
 def kernel_timelines(fn, replays: int = 10) -> list[list[tuple[str, float, float]]]:
@@ -88,7 +90,7 @@ def layer_stage_times(run: list[tuple[str, float, float]], layers: int) -> list[
         for i in range(layer * per, (layer + 1) * per):
             stage = stage_of(run[i][0])
             if stage == "norm":
-                stage = "input norm" if norms == 0 else "post-attention norm"
+                stage = INPUT_NORM if norms == 0 else POST_NORM
                 norms += 1
             times[stage] = times.get(stage, 0.0) + run[i][2] - run[i - 1][2]
         times["layer"] = run[(layer + 1) * per - 1][2] - run[layer * per - 1][2]

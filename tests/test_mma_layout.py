@@ -85,7 +85,7 @@ def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
         elif op == "shl.b32":
             regs[dst] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
         elif op == "prmt.b32":
-            pool = [(val(src[0]) >> 8 * i) & 0xFF for i in range(4)] + [(val(src[1]) >> 8 * i) & 0xFF for i in range(4)]
+            pool = [(val(r) >> 8 * i) & 0xFF for r in src[:2] for i in range(4)]  # bytes of a, then of b
             out = 0
             for i in range(4):
                 sel = (val(src[2]) >> 4 * i) & 0xF
@@ -106,11 +106,10 @@ def test_scale_words_put_each_byte_in_both_bf16_exponents():
         regs = _run_ptx(_SCALE_WORDS.value, {"$4": packed})
         for e in range(4):
             byte = (packed >> 8 * e) & 0xFF
-            halves = torch.tensor([regs[f"${e}"] & 0xFFFF, regs[f"${e}"] >> 16], dtype=torch.int32)
             assert regs[f"${e}"] == (byte << 7) | (byte << 23), (hex(packed), e)
             if 0 < byte < 255:
-                values = (halves << 16).view(torch.float32).double()
-                assert values.tolist() == [2.0 ** (byte - 127)] * 2
+                halves = torch.tensor([regs[f"${e}"] & 0xFFFF, regs[f"${e}"] >> 16], dtype=torch.int32)
+                assert (halves << 16).view(torch.float32).double().tolist() == [2.0 ** (byte - 127)] * 2
 
 
 def test_fp8_value_positions_and_bit_decode():
@@ -231,8 +230,8 @@ def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 
 
-# (w13 split, depth, w2 split, depth, L2 prefetch steps of both: no table uses one, the tiles allow it; PTX only)
-# (w13 grid splits, w13 warp splits, w13 depth, w2 splits, w2 depth, L2 prefetch steps)
+# (w13 grid splits, w13 warp splits, w13 depth, w2 splits, w2 depth, L2 prefetch steps of both: no table uses
+# one, the tiles allow it; PTX only)
 _TILE_CASES = {"mxfp4": ((1, 1, 1, 1, 1, 0), (2, 1, 1, 2, 1, 2), (4, 1, 1, 1, 2, 0), (1, 1, 2, 2, 1, 1),
                          (1, 2, 1, 1, 1, 0), (2, 2, 1, 2, 1, 0), (1, 2, 2, 1, 1, 0)),
                "mxfp8": ((2, 1, 1, 2, 1, 2), (1, 1, 2, 1, 2, 0), (1, 2, 1, 1, 1, 0))}
