@@ -33,6 +33,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import timeline
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
@@ -93,13 +94,11 @@ def _time(fn, *, graph: bool, iters: int = 30, reps: int = 10) -> float:
 def kernel_launches(fn) -> int | None:
     """GPU kernels one call of fn launches (memory copies and fills excluded); None without a profiler."""
     try:
-        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA
-                   and not any(w in e.name.lower() for w in ("memcpy", "memset")))
+        return len(timeline.kernel_events(prof))
     except Exception:  # noqa: BLE001 (a missing CUPTI only loses the column)
         return None
 
@@ -219,7 +218,6 @@ def fused_stages(layers, caches, meta) -> list[tuple[str, float, int]]:
     """(stage, us it adds to a fused layer, weight bytes it streams) in a graph of the chained fused
     layers (timeline.fused_stage_times: time between kernel ends, median over replays and the layers
     after the first; bytes: the mean over those layers)."""
-    from . import timeline
     x, residual = step_inputs(layers, caches, meta)
     ids, _ = chain_choices(layers, caches, x, residual, meta)
     lay = layers[0]

@@ -37,11 +37,17 @@ _STAGES = (
 REPLAY_GAP_US = 30.0  # idle time that separates two replays (kernels of one replay follow within a few us)
 
 
+def kernel_events(prof) -> list:
+    """The GPU kernels of a finished torch.profiler run (memory copies and fills excluded), by start."""
+    from torch.autograd import DeviceType
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                   and not any(w in e.name.lower() for w in ("memcpy", "memset"))), key=lambda e: e.time_range.start)
+
+
 def kernel_timelines(fn, replays: int = 10) -> list[list[tuple[str, float, float]]]:
     """Per replay of a CUDA graph of fn: (kernel, start us, end us) of each kernel, in launch order,
     relative to the replay's first kernel. The graph is captured inside the profiled region (kernels
     of a graph captured before it are not traced one by one); the first replay is dropped."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g = torch.cuda.CUDAGraph()
@@ -50,8 +56,7 @@ def kernel_timelines(fn, replays: int = 10) -> list[list[tuple[str, float, float
         for _ in range(replays + 1):
             g.replay()
             torch.cuda.synchronize()
-    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
-                 and not any(w in e.name.lower() for w in ("memcpy", "memset"))), key=lambda e: e.time_range.start)
+    ev = kernel_events(prof)
     # Replays are told apart by the idle GPU between them (each waits for the host): a kernel that
     # starts more than REPLAY_GAP_US after every earlier one ended begins a replay.
     runs, last_end = [], float("-inf")

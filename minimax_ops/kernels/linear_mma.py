@@ -27,7 +27,8 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold
                          mma_operands, prefetch_step, preload_first, preloads, stream_pointers, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import MmaLinearTiles, check_k_steps, mma_linear_tiles, num_sms, portable_mma_tiles, register_cap
+from .tiles import (MmaLinearTiles, check_k_steps, check_warp_split, mma_linear_tiles, num_sms, portable_mma_tiles,
+                    register_cap)
 
 
 @triton.jit
@@ -116,8 +117,7 @@ def linear_tiles(n: int, k: int, device: torch.device, fp8: bool, tiles: MmaLine
     qkv_mma, whose GEMV must match)."""
     ptx = use_ptx(device)
     t = tiles or mma_linear_tiles(n, k, num_sms(device), fp8, warp_split)
-    if t.warp_split < 1 or t.num_warps % t.warp_split:
-        raise ValueError(f"tiles: warp_split {t.warp_split} must divide num_warps {t.num_warps}")
+    check_warp_split("weight", t.num_warps, t.warp_split)
     if not ptx:
         t = portable_mma_tiles(t)
     check_k_steps("weight", t.split * t.warp_split, t.depth, k)

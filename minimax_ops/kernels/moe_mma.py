@@ -46,7 +46,7 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import check_k_steps, mma_expert_tiles, portable_mma_tiles, register_cap
+from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit
@@ -401,16 +401,16 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
                        t13, t2, alpha, limit, pdl):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
-    ExpertTiles whose num_warps is the row blocks per program and k_chunks the blocks per load step."""
+    ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
+    blocks per load step."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
+    check_warp_split("w13", t13.num_warps, t13.warp_split)
     ptx = use_ptx(h.device) if t13.ptx is None else t13.ptx
     if not ptx:
         t13, t2 = portable_mma_tiles(t13), portable_mma_tiles(t2)
     check_k_steps("w13", t13.split * t13.warp_split, t13.k_chunks, hidden)
-    if t13.warp_split < 1 or t13.num_warps % t13.warp_split:
-        raise ValueError(f"tiles: w13's warp_split {t13.warp_split} must divide its num_warps {t13.num_warps}")
     if t2.warp_split != 1:
         raise ValueError(f"tiles: w2 splits K by the grid only, got warp_split {t2.warp_split}")
     check_k_steps("w2", t2.split, t2.k_chunks, inter, *((w13.inter_shared,) if shared_separate else ()))

@@ -296,6 +296,12 @@ def check_k_steps(name: str, split: int, depth: int, *ks: int) -> None:
         raise ValueError(f"tiles: {name}'s {split} splits x {depth} blocks a step must divide its {blocks} K blocks")
 
 
+def check_warp_split(name: str, warps: int, warp_split: int) -> None:
+    """A K split made by a program's warps (``split_in_warps``) must divide them, or ValueError naming ``name``."""
+    if warp_split < 1 or warps % warp_split:
+        raise ValueError(f"tiles: {name}'s warp_split {warp_split} must divide num_warps {warps}")
+
+
 def fit_chunks(k: int, block_k: int, chunks: int) -> int:
     """The largest power-of-two count <= chunks of BLOCK_K tiles per step that divides K."""
     while chunks > 1 and k % (block_k * chunks):
