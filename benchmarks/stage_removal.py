@@ -58,7 +58,6 @@ def _stages():
     def index_sparse_attention(q, index_q, kv_cache, *args):
         return _first_call("attention", kv_cache.data_ptr(), attention, q, index_q, kv_cache, *args)
     ns.index_sparse_attention = index_sparse_attention
-    ns.qkv_insert_index_scores = None  # (the chain then takes index_sparse_attention, the stage removed here)
     return ns
 
 

@@ -16,7 +16,6 @@ import torch
 from minimax_ops import reference as ref
 from minimax_ops.formats import FMT_MXFP4_MMA, FMT_MXFP8_MMA, dequantize, quantize, to_mma_layout
 from minimax_ops.kernels import qkv_mma
-from minimax_ops.kernels.index_topk import index_scores
 from minimax_ops.kernels.linear_mma import mma_linear
 from minimax_ops.kernels.mx_linear import mx_linear
 from minimax_ops.kernels.qk_norm_rope import qk_norm_rope_insert, qkv_width
@@ -187,41 +186,3 @@ def test_bad_inputs_name_the_argument(device):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "h": a["h"].float()}, a["kv"], a["index"], kw)
     with pytest.raises(ValueError, match="index_slot_mapping, index_q_norm"):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "islots": None}, a["kv"], a["index"], kw)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
-def test_scores_under_the_gemv(fmt, device, monkeypatch):
-    """qkv_insert_index_scores in a one-token step (the index segments, the score pass, then the q / k / v
-    segments) against the same call in turn (MINIMAX_OPS_NO_SCORE_OVERLAP=1: the one kernel, then the
-    score pass): q and the kv cache bit for bit (the same launch of their segments), index_q and the
-    index cache within bf16 / fp8 noise (the index segments' K split is finer: other fp32 sums), the
-    scores exactly the score pass's on the index_q and cache the call left, and the reference."""
-    a, dense_w, kw = _case(WIDE, True, 1, 128, fmt, FP8, FP8, device, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    pages = torch.randperm(NUM_BLOCKS, generator=gen)[:8].int()
-    block_table = torch.cat([pages, torch.full((2,), -1, dtype=torch.int32)]).view(1, 10).to(device)
-    seq_lens = torch.tensor([7 * WIDE[5] + 5], dtype=torch.int32, device=device)
-    launch, firsts = qkv_mma._SegmentKernel.launch, []
-
-    def spy(self, seg0, *args, **kwargs):
-        firsts.append(seg0)
-        return launch(self, seg0, *args, **kwargs)
-    monkeypatch.setattr(qkv_mma._SegmentKernel, "launch", spy)
-    runs = {}
-    for overlap in (True, False):
-        monkeypatch.setenv("MINIMAX_OPS_NO_SCORE_OVERLAP", "0" if overlap else "1")
-        kv, index = a["kv"].clone(), a["index"].clone()
-        runs[overlap] = (*_run(qkv_mma.qkv_insert_index_scores, a, kv, index, kw, block_table=block_table,
-                               seq_lens=seq_lens, query_len=1), kv, index)
-    assert firsts == [WIDE[0] + 2 * WIDE[1], 0, 0], "the index segments first, then q / k / v; in turn: one launch"
-    (q, iq, scores, kv, index), (q2, iq2, scores2, kv2, index2) = runs[True], runs[False]
-    _same_bytes(q, q2, "q")
-    _same_bytes(kv, kv2, "kv_cache")
-    assert rel_err(iq.float(), iq2.float()) < 1e-2
-    assert rel_err(index.float(), index2.float()) < 4e-2
-    nb = 8
-    assert scores.shape == (1, WIDE[2], 10)
-    again = index_scores(iq, index, block_table, seq_lens, 1)
-    assert torch.equal(scores[..., :nb], again[..., :nb]), "scores: not the score pass's on the call's index_q"
-    assert rel_err(scores[..., :nb], scores2[..., :nb]) < 2e-2
-    _check_reference(q, iq, kv, index, a, dense_w, kw, True)

@@ -46,19 +46,6 @@ def _qkv_norm_rope_insert(*args, **kwargs):
     return qkv_mma.qkv_norm_rope_insert(*args, **kwargs, pdl=True)
 
 
-def _qkv_insert_index_scores(*args, **kwargs):
-    # The score pass under the q / k / v GEMV in one-token steps (kernels/qkv_mma.py).
-    return qkv_mma.qkv_insert_index_scores(*args, **kwargs, pdl=True)
-
-
-def _sparse_attention_from_scores(q, scores, kv_cache, block_table, seq_lens, query_len, topk, k_scale, v_scale):
-    # After qkv_insert_index_scores: where the score pass ran under the GEMV, the GEMV (which wrote q) is
-    # the kernel before this one.
-    return attention.index_sparse_attention_decode(q, scores, kv_cache, block_table, seq_lens, query_len, topk,
-                                                   k_scale, v_scale, pdl=True,
-                                                   q_after_wait=qkv_mma.scores_under_gemv(q.shape[0]))
-
-
 def _route(h, gate, gate_bias, top_k, scaling):
     return router.route(h, gate, gate_bias, top_k, scaling, pdl=True)
 
@@ -113,12 +100,8 @@ def kernel_stages() -> SimpleNamespace:
         return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
                                                 pdl=True)
 
-    # MINIMAX_OPS_NO_ATTN_SELECT=1 (read here, at every call) takes the pair form of index_sparse_attention.
-    pair_form = os.environ.get("MINIMAX_OPS_NO_ATTN_SELECT") == "1"
     return SimpleNamespace(
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
-        qkv_insert_index_scores=None if pair_form else _qkv_insert_index_scores,
-        sparse_attention_from_scores=_sparse_attention_from_scores,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, mlp=_mlp)

@@ -25,15 +25,12 @@ so pass 2's kernel and its block ids' round trip through memory drop out.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
-from .splitk import last_arrival
 from .tiles import num_sms
 
 TOPK_CHUNK = 256  # pass 2: rows of up to this many blocks take one tl.topk this wide; longer rows go by groups
@@ -62,18 +59,12 @@ def _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE:
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, ready_ptr,
+def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
-                        num_splits, ready_count,
+                        num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr,
-                        PDL: tl.constexpr, BESIDE: tl.constexpr = False):
-    """BESIDE: launched beside the qkv GEMV that writes index_q and the index key (kernels/qkv_mma.py,
-    ``qkv_insert_index_scores``): the programs let the next kernel launch at once, wait for the int32
-    at ready_ptr to reach ready_count (the GEMV's index segments count themselves in when their keys
-    are stored) instead of for the previous kernel, the last of them to pass resets it (ready_ptr[1]:
-    their arrival counter), and they wait for the previous kernel only at their end, so that this
-    kernel's completion still means the previous ones'. Otherwise ready_ptr / ready_count are unused."""
+                        PDL: tl.constexpr):
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -85,17 +76,10 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     d = tl.arange(0, INDEX_DIM)
     # A block older than this step's tokens is not written by the previous kernel (which inserts only
     # the step's keys): as a programmatic dependent, the first such block's keys are read before the wait.
-    if PDL and BESIDE:
-        gdc_launch_dependents()
     early = (b_start < b_end) & (b_start < (seq_len - QUERY_LEN) // BLOCK_SIZE) & PDL
     keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
                        early, F16, DOT_FP32)
-    if BESIDE:
-        while tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < ready_count:
-            pass
-        if last_arrival(ready_ptr + 1, tl.num_programs(0) * tl.num_programs(1)):
-            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-    elif PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
 
@@ -125,8 +109,6 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
         keys = _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
                            True, F16, DOT_FP32)
         _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
-    if PDL and BESIDE:
-        gdc_wait()
 
 
 @triton.jit
@@ -200,18 +182,14 @@ def _index_topk_kernel(scores_ptr, seq_lens_ptr, out_ptr, stride_sn, stride_sh, 
     tl.store(out_ptr + tok.to(tl.int64) * stride_on + head * stride_oh + k, ids, mask=k < TOPK)
 
 
-def _num_programs(device: torch.device, launch_first: bool) -> int:
+def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
-    if launch_first:
-        return SCORE_LAUNCH["beside_gemv"]
     return SCORE_LAUNCH["programs_per_sm"] * num_sms(device)
 
 
-# The score pass's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, warps, pipeline stages;
-# "beside_gemv": programs in all when it runs beside the qkv GEMV (``launch_first``): each takes the place of
-# one GEMV program on its SM (those fill an SM's registers), and every GEMV program must still be resident.
-SCORE_LAUNCH = {"programs_per_sm": 4, "num_warps": 4, "num_stages": 2, "beside_gemv": 32}
+# The score pass's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, warps, pipeline stages.
+SCORE_LAUNCH = {"programs_per_sm": 4, "num_warps": 4, "num_stages": 2}
 
 
 def _block_m(query_len: int, index_heads: int) -> int:
@@ -254,40 +232,32 @@ def _check_inputs(index_q, index_cache, block_table, seq_lens, query_len) -> Non
           f"index_q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
 
 
-def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl, ready=None) -> torch.Tensor:
-    """Pass 1 on checked inputs -> fp32 [n, Hi, W] block scores (entries at or past a token's nb unwritten).
-    ready: (int32 tensor, count) of the BESIDE launch (index_scores' docstring)."""
+def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl) -> torch.Tensor:
+    """Pass 1 on checked inputs -> fp32 [n, Hi, W] block scores (entries at or past a token's nb unwritten)."""
     n, heads, dim = index_q.shape
     num_reqs, width = block_table.shape
     scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
     if n == 0:
         return scores
-    num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device, ready is not None), num_reqs)))
-    ready_t, ready_count = ready if ready is not None else (seq_lens, 0)  # (a typed stand-in, unread)
+    num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
     _index_score_kernel[(num_reqs, num_splits)](
-        index_q, index_cache, block_table, seq_lens, scores, ready_t,
+        index_q, index_cache, block_table, seq_lens, scores,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
-        block_table.stride(0), scores.stride(0), scores.stride(1), num_splits, ready_count,
+        block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=index_cache.shape[1],
         BLOCK_M=_block_m(query_len, heads), F16=index_cache.dtype == torch.float8_e4m3fn,
-        DOT_FP32=index_q.device.type != "cuda", PDL=pdl, BESIDE=ready is not None,
-        num_warps=SCORE_LAUNCH["num_warps"],
+        DOT_FP32=index_q.device.type != "cuda", PDL=pdl, num_warps=SCORE_LAUNCH["num_warps"],
         num_stages=SCORE_LAUNCH["num_stages"], launch_pdl=pdl)
     return scores
 
 
 def index_scores(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, query_len: int, *, pdl: bool = False,
-                 ready: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, query_len: int, *, pdl: bool = False) -> torch.Tensor:
     """Pass 1 alone (inputs as index_topk's) -> fp32 [n, Hi, W] block scores, W = block_table's
     width: entry b of a token's row is block b's score for b < the token's block count nb; entries
-    from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does).
-    ``ready`` = (int32 [2] zeroed counters, count): launched beside the kernel before it (the kernel's
-    BESIDE): index_q and the step's index keys are ready once ready[0][0] reaches count, the launch
-    leaves room on the SMs for that kernel (SCORE_LAUNCH["beside_gemv"]), and the counters are left zeroed."""
+    from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does)."""
     _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
-    pdl = pdl and pdl_supported(index_q.device)
-    return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl, ready)
+    return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl and pdl_supported(index_q.device))
 
 
 def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
@@ -329,12 +299,11 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _index_score_kernel,
                     {"q_ptr": "*bf16", "cache_ptr": cache_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "scores_ptr": "*fp32", "ready_ptr": "*i32", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
+                     "scores_ptr": "*fp32", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
                      "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
-                     "num_splits": "i32", "ready_count": "i32"},
+                     "num_splits": "i32"},
                     {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
-                     "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False,
-                     "BESIDE": False},
+                     "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False},
                     num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
             short, chunk = topk_widths(width, block_k)
@@ -345,8 +314,4 @@ def aot_specs() -> list[KernelSpec]:
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
                  "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
-    specs = with_pdl_variants(specs)
-    # The fused layer's one-token score pass beside the qkv GEMV (``ready``), at the real size.
-    return specs + [replace(s, constexprs={**s.constexprs, "BESIDE": True}, name=f"{s.label()}_beside")
-                    for s in specs if s.kernel is _index_score_kernel and s.constexprs["PDL"] and s.constexprs["F16"]
-                    and s.constexprs["QUERY_LEN"] == 1 and s.constexprs["INDEX_DIM"] == 128]
+    return with_pdl_variants(specs)

@@ -20,7 +20,6 @@ program: its per-row arithmetic does not depend on how many, so the bits still m
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -29,11 +28,9 @@ import triton.language as tl
 from ..constants import MAX_TOKENS
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .index_topk import index_scores
 from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
-from .splitk import split_counters
 from .mma_decode import mma_operands, preload_first, preloads
-from .mx_decode import check_weight, gdc_launch_dependents, gdc_wait, pdl_supported
+from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
@@ -43,8 +40,7 @@ from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, registe
 
 @triton.jit
 def _qkv_norm_rope_insert_kernel(
-        x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, ready_ptr, M, N, k_blocks, stride_xm, stride_wb, stride_sb,
-        stride_qkv,
+        x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb, stride_sb, stride_qkv,
         pos_ptr, slot_ptr, index_slot_ptr, q_w_ptr, k_w_ptr, index_q_w_ptr, index_k_w_ptr,
         kv_ptr, index_cache_ptr, q_out_ptr, index_q_out_ptr,
         stride_kv_block, stride_kv_head, stride_kv_slot, stride_ic_block, stride_ic_slot,
@@ -54,38 +50,22 @@ def _qkv_norm_rope_insert_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
-        PRELOAD: tl.constexpr, SEG0: tl.constexpr = 0, WAIT_END: tl.constexpr = False, READY: tl.constexpr = False):
+        PRELOAD: tl.constexpr):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
-    (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time.
-
-    ``qkv_insert_index_scores``' launches: SEG0, the launch's first segment (w / s, N and part are the
-    launch's rows: w and s start at the segment's first row block, N counts the launch's rows); READY:
-    each segment counts itself in at ready_ptr (release) once its epilogue stored it (the score pass
-    launched after the next kernel waits for the count); WAIT_END (with PDL): the kernel before this one
-    is the index segments' launch, which this one does not read: the programs let the next kernel launch
-    and stream at once, and wait for it only at their end, so that this kernel's completion still means
-    the previous ones'. ready_ptr is unused without READY."""
-    if PDL and WAIT_END:
-        gdc_launch_dependents()
-    done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr + SEG0 * HEAD_DIM, part_ptr, cnt_ptr, M, N, k_blocks,
-                              stride_xm, stride_wb, stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX,
-                              PDL and not WAIT_END, PREFETCH, FP8, PRELOAD)
+    (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time."""
+    done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
+                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
     if done:
         tl.debug_barrier()  # the segment's columns, stored by all warps, read back by all
         for t0 in range(0, M, SEG_TOKENS):
             norm_rope_insert_segment(
-                qkv_ptr, stride_qkv, SEG0 + tl.program_id(0), t0, M,
+                qkv_ptr, stride_qkv, tl.program_id(0), t0, M,
                 pos_ptr, slot_ptr, index_slot_ptr, q_w_ptr, k_w_ptr, index_q_w_ptr, index_k_w_ptr,
                 kv_ptr, index_cache_ptr, q_out_ptr, index_q_out_ptr,
                 stride_kv_block, stride_kv_head, stride_kv_slot, stride_ic_block, stride_ic_slot,
                 eps, base_hi, base_lo, inv_k_scale, inv_v_scale,
                 NUM_HEADS, NUM_KV_HEADS, INDEX_HEADS, HEAD_DIM, ROT_DIM, BLOCK_SIZE, KV_FP8, INDEX_FP8, INTERPRETED,
                 SEG_TOKENS)
-        if READY:
-            tl.debug_barrier()  # every thread's stores before the release
-            tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
-    if PDL and WAIT_END:
-        gdc_wait()
 
 
 def one_kernel_tiles(mma: bool, fp8: bool, n: int, k: int, head_dim: int, device: torch.device,
@@ -152,134 +132,40 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
                             index_k_norm, kv_cache, index_cache, **kw)
     if m == 0:
         return launch.q, launch.index_q
-    kernel = _SegmentKernel(h, qkv_weight, qkv_scale, launch, *plan, fp8, width)
-    kernel.launch(0, launch.segments, plan[0].split, pdl and pdl_supported(h.device))
-    return launch.q, launch.index_q
-
-
-class _SegmentKernel:
-    """Launches of the one-kernel qkv path over runs of its segments, into one qkv buffer."""
-
-    def __init__(self, h, qkv_weight, qkv_scale, launch, tiles: MmaLinearTiles, ptx: bool, fp8: bool, width: int):
-        self.m, self.k = h.shape
-        self.w, self.s = mma_operands("qkv_weight", qkv_weight, qkv_scale)
-        self.x32 = aligned_x(h)
-        self.qkv = torch.empty(self.m, width, dtype=torch.bfloat16, device=h.device)
-        self.launch_args, self.tiles, self.ptx, self.fp8, self.width = launch, tiles, ptx, fp8, width
-
-    def launch(self, seg0: int, segments: int, split: int, pdl: bool, wait_end: bool = False,
-               ready: torch.Tensor | None = None) -> None:
-        """Segments seg0 .. seg0 + segments - 1, K split in ``split``; wait_end / ready (the int32 the
-        segments count themselves in at): _qkv_norm_rope_insert_kernel's WAIT_END / READY. Launches that
-        may run at once take disjoint rows of the arrival counters."""
-        t, m, launch, head_dim = self.tiles, self.m, self.launch_args, self.width // self.launch_args.segments
-        n = segments * head_dim
-        split, part, counters = split_buffers(self.qkv.device, seg0 + segments, split, m, n, self.qkv)
-        rows = seg0 * t.num_warps  # (the launch's first row block: a segment is NW row blocks)
-        w, s = self.w[rows:], self.s[rows:]
-        cnt = counters[seg0:] if counters is not None else s
-        _qkv_norm_rope_insert_kernel[(segments, split)](
-            self.x32, w, s, self.qkv, part, cnt, ready if ready is not None else cnt, m, n, self.k // MMA_K,
-            self.x32.stride(0), w.stride(0), s.stride(0), self.qkv.stride(0), *launch.args,
-            NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=self.ptx,
-            PDL=pdl, PREFETCH=t.prefetch, FP8=self.fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m),
-            PRELOAD=preload_first(m), SEG0=seg0, WAIT_END=wait_end and pdl, READY=ready is not None,
-            num_warps=t.num_warps, num_stages=1,
-            launch_pdl=pdl, **register_cap(t))
-
-
-def index_split(tiles: MmaLinearTiles, k: int) -> int:
-    """The K split of the index segments' launch in ``qkv_insert_index_scores``: the largest that
-    leaves each program whole steps, up to INDEX_SPLIT (MINIMAX_OPS_INDEX_SPLIT overrides it: A/B runs)."""
-    steps = k // MMA_K // tiles.depth
-    want = int(os.environ.get("MINIMAX_OPS_INDEX_SPLIT", INDEX_SPLIT))
-    return max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
-
-
-INDEX_SPLIT = 12  # the index segments' K split beside the q / k / v GEMV: they finish well before it
-
-
-def scores_under_gemv(m: int) -> bool:
-    """Whether ``qkv_insert_index_scores`` runs the score pass under the q / k / v GEMV in an m-token
-    step (with PDL and the one kernel): one-token steps, unless MINIMAX_OPS_NO_SCORE_OVERLAP=1."""
-    return m == 1 and os.environ.get("MINIMAX_OPS_NO_SCORE_OVERLAP") != "1"
-
-
-def qkv_insert_index_scores(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: torch.Tensor | None,
-                            positions: torch.Tensor, slot_mapping: torch.Tensor, index_slot_mapping: torch.Tensor,
-                            q_norm: torch.Tensor, k_norm: torch.Tensor, index_q_norm: torch.Tensor,
-                            index_k_norm: torch.Tensor, kv_cache: torch.Tensor, index_cache: torch.Tensor,
-                            block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, *,
-                            num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float,
-                            eps: float, index_heads: int, index_dim: int, k_scale: float = 1.0,
-                            v_scale: float = 1.0, pdl: bool = False
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``qkv_norm_rope_insert`` (a sparse layer's), then the indexer's score pass
-    (index_topk.index_scores) -> (q, index_q, scores): the same results and cache writes.
-
-    In one-token steps with PDL where the one kernel applies, the score pass runs under the q / k / v
-    GEMV instead of after it (three launches): the index segments first (index_q and the index key:
-    640 of the 9856 rows, K split finer so they end early), then the score pass (a dependent of
-    them), then the q / k / v segments, launched as the score pass's programs start, streaming at
-    once (they read only h) and waiting for it only at their end. The score pass's latency-bound
-    round trips then overlap the weight stream instead of following it; the attention after this
-    reads q after its wait (attention.index_sparse_attention_decode's q_after_wait).
-    MINIMAX_OPS_NO_SCORE_OVERLAP=1 (read at every call: a CUDA graph keeps the order it was captured
-    with) keeps the two in turn, for A/B measurements."""
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
-              v_scale=v_scale)
-    check_rows("h", h)
-    m, k = h.shape
+    t, ptx = plan
+    w, s = mma_operands("qkv_weight", qkv_weight, qkv_scale)
+    x32 = aligned_x(h)
+    qkv = torch.empty(m, width, dtype=torch.bfloat16, device=h.device)
+    split, part, counters = split_buffers(h.device, launch.segments, t.split, m, width, qkv)
     pdl = pdl and pdl_supported(h.device)
-    lw = check_weight("qkv_weight", qkv_weight, qkv_scale, k, h.device)
-    width = qkv_width(num_heads, num_kv_heads, head_dim, index_heads, index_dim)
-    fp8 = lw.layout.code == FMT_MXFP8_MMA
-    plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device) if lw.n == width else None
-    segments = num_heads + 2 * num_kv_heads + index_heads + 1
-    ready = split_counters(h.device, segments + 2)  # (after the segments' arrival counters: see below)
-    if plan is None or index_heads < 1 or not scores_under_gemv(m) or ready is None:
-        q, index_q = qkv_norm_rope_insert(h, qkv_weight, qkv_scale, positions, slot_mapping, index_slot_mapping,
-                                          q_norm, k_norm, index_q_norm, index_k_norm, kv_cache, index_cache, pdl=pdl,
-                                          **kw)
-        # (the score pass is a programmatic dependent in one-token steps only: kernels/decode_layer.py)
-        return q, index_q, index_scores(index_q, index_cache, block_table, seq_lens, query_len, pdl=pdl and m == 1)
-    launch = segment_launch(m, h.device, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
-                            index_k_norm, kv_cache, index_cache, **kw)
-    kernel = _SegmentKernel(h, qkv_weight, qkv_scale, launch, *plan, fp8, width)
-    first_index = num_heads + 2 * num_kv_heads  # segments: q heads, k, v, index_q heads, the index key
-    # Past the launches' arrival counters (one a segment): the index segments' count, the score pass's arrivals.
-    ready = ready[launch.segments:launch.segments + 2]
-    kernel.launch(first_index, launch.segments - first_index, index_split(plan[0], k), pdl, ready=ready)
-    kernel.launch(0, first_index, plan[0].split, pdl, wait_end=True)
-    scores = index_scores(launch.index_q, index_cache, block_table, seq_lens, query_len, pdl=pdl,
-                          ready=(ready, launch.segments - first_index))
-    return launch.q, launch.index_q, scores
+    _qkv_norm_rope_insert_kernel[(launch.segments, split)](
+        x32, w, s, qkv, part, counters if counters is not None else s, m, width, k // MMA_K,
+        x32.stride(0), w.stride(0), s.stride(0), qkv.stride(0), *launch.args,
+        NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
+        PREFETCH=t.prefetch, FP8=fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m), PRELOAD=preload_first(m),
+        num_warps=t.num_warps,
+        num_stages=1, launch_pdl=pdl, **register_cap(t))
+    return launch.q, launch.index_q
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
 
 _GEMV_SIG = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "qkv_ptr": "*bf16", "part_ptr": "*fp32",
-             "cnt_ptr": "*i32", "ready_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32",
-             "stride_wb": "i32", "stride_sb": "i32", "stride_qkv": "i32"}
+             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "k_blocks": "i32", "stride_xm": "i32", "stride_wb": "i32",
+             "stride_sb": "i32", "stride_qkv": "i32"}
 
 
 def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_t: str | None,
-          tokens: int, targets: tuple = (), part: str = "") -> KernelSpec:
-    """part: "" every segment; "index" / "qkv": qkv_insert_index_scores' launches of the index segments
-    and of the q / k / v ones (WAIT_END)."""
+          tokens: int, targets: tuple = ()) -> KernelSpec:
     heads, kv_heads, index_heads, dim = shape[:4]
     n = qkv_width(heads, kv_heads, dim, index_heads if idx_t else 0, dim)
     t = mma_linear_tiles(n, k, 132, fp8, warp_split=False)
     t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
-    split = index_split(t, k) if part == "index" else t.split
-    gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx,
-                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens),
-                SEG0=heads + 2 * kv_heads if part == "index" else 0, WAIT_END=part == "qkv", READY=part == "index")
+    gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
+                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens))
     name = (f"qkv_norm_rope_insert_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-            f"_s{split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}"
-            + (f"_{part}" if part else ""))
+            f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
                       {**gemv, **segment_constexprs(shape, kv_t, idx_t), "SEG_TOKENS": tokens},
                       num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else targets, name=name,
@@ -298,9 +184,6 @@ def aot_specs() -> list[KernelSpec]:
     fp8_t, bf16_t = "*fp8e4nv", "*bf16"
     specs = [_spec(real, 6144, fp8, True, pdl, fp8_t, fp8_t, tokens)
              for fp8 in (False, True) for pdl in (False, True) for tokens in (1, MAX_TOKENS)]
-    # qkv_insert_index_scores' one-token launches (the score pass between them)
-    specs += [_spec(real, 6144, fp8, True, True, fp8_t, fp8_t, 1, part=part)
-              for fp8 in (False, True) for part in ("index", "qkv")]
     specs += [_spec(real, 6144, True, True, True, fp8_t, None, MAX_TOKENS),
               _spec(real, 6144, True, True, True, bf16_t, bf16_t, MAX_TOKENS)]
     specs += [_spec(tiny, 256, False, False, False, kv_t, idx_t, 4, () if i == 0 else ("hip",))

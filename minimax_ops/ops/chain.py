@@ -51,16 +51,6 @@ def _heads(c):
     return c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.eps
 
 
-def _one_step(step, h, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c, *index_args):
-    """A kernel namespace's qkv projection + insert step (kernels/qkv_mma.py's signatures) on the layer's
-    weights; index_args: what the step takes after the caches (qkv_insert_index_scores: the indexer's)."""
-    index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if index_slot_mapping is not None else {}
-    return step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"],
-                w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache, *index_args,
-                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-                rope_theta=c.rope_theta, eps=c.eps, **index, k_scale=c.k_scale, v_scale=c.v_scale)
-
-
 def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c, mm):
     """Input norm, the qkv projection and the qk norm / RoPE / cache insert -> (q, index_q or None,
     residual); index_slot_mapping None: a dense layer. A kernel namespace (``ops``) may offer the
@@ -70,7 +60,12 @@ def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv
     sparse = index_slot_mapping is not None
     one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
     if one_step is not None:
-        q, index_q = _one_step(one_step, h, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c)
+        index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
+        q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
+                              w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
+                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, **index,
+                              k_scale=c.k_scale, v_scale=c.v_scale)
         return q, index_q, residual
     qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
     if sparse:
@@ -89,18 +84,8 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
     ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(), same signatures; a kernel
     namespace may offer the indexer top-k and the sparse attention as one step, ``index_sparse_attention``
-    (the top-k made inside the attention kernel), or the qkv step with the indexer's score pass,
-    ``qkv_insert_index_scores``, then ``sparse_attention_from_scores`` (the score pass launched among the
-    qkv kernels); the vocabulary has two ops each."""
+    (the top-k made inside the attention kernel); the vocabulary has two ops."""
     mm = ops or MM
-    scored = getattr(mm, "qkv_insert_index_scores", None) if mm is not MM and query_lens is None else None
-    if scored is not None:
-        h, residual = mm.add_rmsnorm(x, residual, w["input_norm"], c.eps)
-        q, _, scores = _one_step(scored, h, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c,
-                                 block_table, seq_lens, c.query_len)
-        attn = mm.sparse_attention_from_scores(q, scores, kv_cache, block_table, seq_lens, c.query_len,
-                                               c.topk_blocks, c.k_scale, c.v_scale)
-        return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
     q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
                                            index_cache, w, c, mm)
     one_step = getattr(mm, "index_sparse_attention", None) if mm is not MM else None
