@@ -14,7 +14,8 @@ grid splits/cap[/warp splits]``, the
 router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits the programs' warps
 make where they divide them (tiles.WARP_SPLIT; ``WS=0``: none, every split by the grid), the sparse
 attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer top-k's one-slice
-width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), and
+width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), the most tokens
+a step may have for the one-kernel qkv path: ``QKV1=n`` (qkv_mma.ONE_KERNEL_TOKENS), and
 ``TWO=1``: two token groups on one expert weight stream for MXFP4 too (with an unpaired w13),
 ``TWO=0``: for no format (MXFP8 too).
 
@@ -57,7 +58,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS")
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
@@ -66,6 +67,7 @@ _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.line
 _BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
 _BASE_TOPK_CHUNK = index_topk.TOPK_CHUNK
 _BASE_WARP_SPLIT = tiles.WARP_SPLIT
+_BASE_ONE_KERNEL = qkv_mma.ONE_KERNEL_TOKENS
 
 
 def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> None:
@@ -175,6 +177,7 @@ class _Env:
         _set_gemv_tiles(linear_mma, knobs["OPROJ"])
         _set_attention_launch(knobs["ATTN"])
         index_topk.TOPK_CHUNK = int(knobs["SHORT"]) if knobs["SHORT"] else _BASE_TOPK_CHUNK
+        qkv_mma.ONE_KERNEL_TOKENS = int(knobs["QKV1"]) if knobs["QKV1"] else _BASE_ONE_KERNEL
         ws = knobs["WS"]
         tiles.WARP_SPLIT = _BASE_WARP_SPLIT if ws is None else frozenset(filter(None, ws.split("+"))) - {"0"}
         tiles.mma_linear_tiles.cache_clear()

@@ -32,7 +32,7 @@ _STAGES = (
     ("_w2_kernel", EXPERTS),
     ("_moe_combine_kernel", EXPERTS),
     ("_rmsnorm_kernel", "norm"),
-    ("linear", O_PROJ),  # (the GEMV after the attention; the qkv GEMV runs in the qkv kernel)
+    ("linear", O_PROJ),  # (a GEMV before the layer's attention kernels is the qkv one: layer_stage_times)
 )
 REPLAY_GAP_US = 30.0  # idle time that separates two replays (kernels of one replay follow within a few us)
 
@@ -97,6 +97,8 @@ def layer_stage_times(run: list[tuple[str, float, float]], layers: int) -> list[
             if stage == "norm":
                 stage = INPUT_NORM if norms == 0 else POST_NORM
                 norms += 1
+            elif stage == O_PROJ and ATTENTION not in times:  # (steps whose qkv GEMV is a kernel of its own)
+                stage = QKV
             times[stage] = times.get(stage, 0.0) + run[i][2] - run[i - 1][2]
         times["layer"] = run[(layer + 1) * per - 1][2] - run[layer * per - 1][2]
         out.append(times)

@@ -129,6 +129,15 @@ def test_fused_stage_times_from_a_timeline():
     assert stage_of("_slot_table_kernel") == "experts" and stage_of("some_other_kernel") == "some_other_kernel"
     with pytest.raises(ValueError, match="do not split into 3 layers"):
         layer_stage_times(run, 3)
+    # Steps whose qkv GEMV and qk norm / RoPE / insert are two kernels (qkv_mma.ONE_KERNEL_TOKENS): the GEMV
+    # before the attention kernels counts in the qkv stage, the one after them is o_proj.
+    names[1:2] = ["_mma_linear_kernel", "_qk_norm_rope_insert_kernel"]
+    ends[1:2] = [17.0, 20.0]
+    run = [(n, e - 1.5, e) for n, e in zip(names, ends)] + [(n, e + 103.5, e + 105.0) for n, e in zip(names, ends)]
+    (times,) = layer_stage_times(run, 2)
+    assert times["qkv + qk norm / RoPE / insert"] == pytest.approx(18.0)
+    assert times["o_proj"] == pytest.approx(15.0)
+    assert times["layer"] == pytest.approx(105.0)
 
 
 def test_ab_attention_knob_patches_split_launch_and_restores(tools):

@@ -186,3 +186,17 @@ def test_bad_inputs_name_the_argument(device):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "h": a["h"].float()}, a["kv"], a["index"], kw)
     with pytest.raises(ValueError, match="index_slot_mapping, index_q_norm"):
         _run(qkv_mma.qkv_norm_rope_insert, {**a, "islots": None}, a["kv"], a["index"], kw)
+
+
+def test_steps_of_more_token_groups_run_the_two_kernels(device, monkeypatch):
+    """A step of more than ONE_KERNEL_TOKENS tokens (a padding row among them) takes the two kernels, with
+    the chain's results bit for bit, even for weights the one kernel takes."""
+    n = qkv_mma.ONE_KERNEL_TOKENS + 1
+    a, dense_w, kw = _case(SMALL, True, n, 128, "mxfp4", FP8, FP8, device, seed=9)
+    kv2, index2 = a["kv"].clone(), a["index"].clone()
+    want = _run(_two_kernels, a, kv2, index2, kw)
+    monkeypatch.setattr(qkv_mma, "_qkv_norm_rope_insert_kernel", None)  # (launching it would fail)
+    kv1, index1 = a["kv"].clone(), a["index"].clone()
+    got = _run(qkv_mma.qkv_norm_rope_insert, a, kv1, index1, kw)
+    _same_results(got, want, (kv1, index1), (kv2, index2))
+    _check_reference(got[0], got[1], kv1, index1, a, dense_w, kw, True)

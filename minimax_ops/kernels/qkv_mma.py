@@ -12,9 +12,10 @@ same bits (qk_norm_rope's docstring says why the body does not depend on the war
 what goes is a launch, its wait on the GEMV's tail and the re-read of qkv by another kernel.
 
 Where the one-kernel path does not apply (a weight not in an mma layout, a GEMV group that is not
-one segment: NW * 16 != head_dim) ``qkv_norm_rope_insert`` runs the two kernels instead, with the
-same results. Off PTX (interpreter, AMD) the emulated block product runs head_dim / 16 row blocks a
-program: its per-row arithmetic does not depend on how many, so the bits still match mma_linear's.
+one segment: NW * 16 != head_dim, a step of more than ONE_KERNEL_TOKENS tokens)
+``qkv_norm_rope_insert`` runs the two kernels instead, with the same results. Off PTX (interpreter,
+AMD) the emulated block product runs head_dim / 16 row blocks a program: its per-row arithmetic does
+not depend on how many, so the bits still match mma_linear's.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import MAX_TOKENS
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
-from .mma_decode import mma_operands, preload_first, preloads
+from .mma_decode import TOKENS, mma_operands, preload_first, preloads
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
@@ -68,6 +68,11 @@ def _qkv_norm_rope_insert_kernel(
                 SEG_TOKENS)
 
 
+# Steps of more tokens (more than one token group of the mma) run the two kernels: at 16 tokens the one kernel,
+# whose programs each own a head's rows, streamed slower than the GEMV's own tiles (BENCHMARKS.md).
+ONE_KERNEL_TOKENS = TOKENS.value
+
+
 def one_kernel_tiles(mma: bool, fp8: bool, n: int, k: int, head_dim: int, device: torch.device,
                      tiles: MmaLinearTiles | None = None) -> tuple[MmaLinearTiles, bool] | None:
     """(GEMV tiles, PTX) of the one-kernel path for a qkv weight [n, k], or None where it does not
@@ -89,8 +94,8 @@ def _segment_tiles(t: MmaLinearTiles, ptx: bool, head_dim: int) -> MmaLinearTile
 
 
 def seg_tokens(m: int) -> int:
-    """Tokens of a segment the epilogue handles at once: all of a step's (up to MAX_TOKENS)."""
-    return min(MAX_TOKENS, triton.next_power_of_2(max(m, 1)))
+    """Tokens of a segment the epilogue handles at once: all of a step's (up to ONE_KERNEL_TOKENS)."""
+    return min(ONE_KERNEL_TOKENS, triton.next_power_of_2(max(m, 1)))
 
 
 def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: torch.Tensor | None,
@@ -117,7 +122,9 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
     if lw.n != width:
         raise ValueError(f"qkv_weight: expected {width} output rows for these head counts, got {lw.n}")
     fp8 = lw.layout.code == FMT_MXFP8_MMA
-    plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device, tiles)
+    plan = None
+    if m <= ONE_KERNEL_TOKENS:
+        plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device, tiles)
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
               rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
               v_scale=v_scale)
@@ -173,7 +180,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
 
 
 def aot_specs() -> list[KernelSpec]:
-    """The real model (qkv + index 9856 x 6144, both formats, fp8 caches; one and MAX_TOKENS tokens),
+    """The real model (qkv + index 9856 x 6144, both formats, fp8 caches; one and ONE_KERNEL_TOKENS tokens),
     plain and as a PDL dependent, with the inline-PTX decode (CUDA: mma layouts are laid out only
     where it runs), plus its dense layers (9216 x 6144) and bf16 caches; the portable decode at the
     tiny preset's shape (K = 256: split) for AMD: MXFP4 with each pairing of cache types, MXFP8 (its
@@ -183,9 +190,9 @@ def aot_specs() -> list[KernelSpec]:
     tiny, real = AOT_SHAPES
     fp8_t, bf16_t = "*fp8e4nv", "*bf16"
     specs = [_spec(real, 6144, fp8, True, pdl, fp8_t, fp8_t, tokens)
-             for fp8 in (False, True) for pdl in (False, True) for tokens in (1, MAX_TOKENS)]
-    specs += [_spec(real, 6144, True, True, True, fp8_t, None, MAX_TOKENS),
-              _spec(real, 6144, True, True, True, bf16_t, bf16_t, MAX_TOKENS)]
+             for fp8 in (False, True) for pdl in (False, True) for tokens in (1, ONE_KERNEL_TOKENS)]
+    specs += [_spec(real, 6144, True, True, True, fp8_t, None, ONE_KERNEL_TOKENS),
+              _spec(real, 6144, True, True, True, bf16_t, bf16_t, ONE_KERNEL_TOKENS)]
     specs += [_spec(tiny, 256, False, False, False, kv_t, idx_t, 4, () if i == 0 else ("hip",))
               for i, (kv_t, idx_t) in enumerate(((bf16_t, fp8_t), (fp8_t, bf16_t), (fp8_t, None)))]
     specs.append(_spec(tiny, 256, True, False, False, bf16_t, fp8_t, 4, ("hip",)))
