@@ -44,7 +44,7 @@ from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, 
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
 from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
-from minimax_ops.timeline import fused_stage_times, kernel_timelines
+from minimax_ops.timeline import kernel_timelines, stage_medians
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
@@ -264,8 +264,9 @@ def main() -> None:
         if args.timeline:
             for name, env in variants:
                 with _Env(env):
-                    rows = kernel_timelines(fused, replays=1)[0]
-                    stages = fused_stage_times(fused, args.layers) if args.layers > 1 else {}
+                    runs = kernel_timelines(fused)  # (one capture: a replay printed, all for the stages)
+                rows = runs[0]
+                stages = stage_medians(runs, args.layers) if args.layers > 1 else {}
                 print(f"  timeline {name} (us: start, end, duration)")
                 for kname, t0, t1 in rows:
                     print(f"    {t0:7.1f} {t1:7.1f} {t1 - t0:6.1f}  {kname[:70]}")

@@ -37,11 +37,13 @@ from . import timeline
 from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
+from .ops.chain import SPARSE_WEIGHTS
 from .weights import random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
 ROUNDS = 3  # alternating fused / unfused timings per case
 LAYERS = 4  # consecutive layers per timed graph (--layers)
+_SHARED_EXPERT = tuple(k for k in SPARSE_WEIGHTS if k.startswith("shared_"))  # (moe_experts' argument order)
 
 
 def _bytes(t: torch.Tensor | None) -> int:
@@ -108,11 +110,7 @@ def step_bytes(layer: MiniMaxM3DecoderLayer, cache: LayerCache, meta, topk_ids, 
     c, n = layer.config, meta.num_tokens
     total = sum(_bytes(getattr(layer, name)) for name in ("qkv", "qkv_scale", "o_proj", "o_proj_scale", "gate",
                                                           "gate_bias", "input_norm", "post_norm"))
-    experts = torch.unique(topk_ids).tolist()
-    for e in experts:
-        total += sum(_bytes(t[e]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale) if t is not None)
-    total += sum(_bytes(getattr(layer, name)) for name in ("shared_w13", "shared_w13_scale", "shared_w2",
-                                                           "shared_w2_scale"))
+    total += expert_bytes(layer, topk_ids)
     row = 2 * c.head_dim * cache.kv.element_size()
     seq = meta.seq_lens.tolist()
     q = meta.query_len
@@ -210,8 +208,7 @@ def chain_bytes(layers, caches, x, residual, meta) -> float:
 def expert_bytes(layer: MiniMaxM3DecoderLayer, topk_ids: torch.Tensor) -> int:
     """Expert weights a step of this layer streams: the distinct routed experts chosen, and the shared one."""
     routed = sum(_bytes(t[0]) for t in (layer.w13, layer.w13_scale, layer.w2, layer.w2_scale) if t is not None)
-    return routed * len(torch.unique(topk_ids)) + sum(
-        _bytes(getattr(layer, k)) for k in ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale"))
+    return routed * len(torch.unique(topk_ids)) + sum(_bytes(getattr(layer, k)) for k in _SHARED_EXPERT)
 
 
 def fused_stages(layers, caches, meta) -> list[tuple[str, float, int]]:
@@ -276,7 +273,6 @@ def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]
         attn = mm.sparse_attention_decode(q, cache.kv, meta.block_table, meta.seq_lens, ids, meta.query_len, 1.0, 1.0)
         w, e = mm.route(x, layer.gate, layer.gate_bias, c.num_experts_per_tok, c.routed_scaling_factor)
         ins.append(dict(layer=layer, cache=cache, qkv=qkv, q=q, iq=iq, ids=ids, attn=attn, w=w, e=e))
-    shared = ("shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale")
     experts = statistics.mean(expert_bytes(d["layer"], d["e"]) for d in ins)
     lay = layers[0]
     stages = [
@@ -302,7 +298,7 @@ def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]
                                      c.routed_scaling_factor), _bytes(lay.gate)),
         ("moe_experts", lambda d: mm.moe_experts(
             x, d["e"], d["w"], d["layer"].w13, d["layer"].w13_scale, d["layer"].w2, d["layer"].w2_scale,
-            *(getattr(d["layer"], k) for k in shared), c.num_local_experts, c.swiglu_alpha, c.swiglu_limit),
+            *(getattr(d["layer"], k) for k in _SHARED_EXPERT), c.num_local_experts, c.swiglu_alpha, c.swiglu_limit),
          experts),
     ]
     return [(name, _time(lambda: fn(ins[0]), graph=True),

@@ -108,7 +108,12 @@ def layer_stage_times(run: list[tuple[str, float, float]], layers: int) -> list[
 def fused_stage_times(fn, layers: int, replays: int = 10) -> dict[str, float]:
     """{stage: median us it adds to a fused layer} over the replays and the layers after the first,
     from a graph of fn (``layers`` consecutive fused layers)."""
-    samples = [t for run in kernel_timelines(fn, replays) for t in layer_stage_times(run, layers)]
+    return stage_medians(kernel_timelines(fn, replays), layers)
+
+
+def stage_medians(runs: list[list[tuple[str, float, float]]], layers: int) -> dict[str, float]:
+    """fused_stage_times from replays already traced (``kernel_timelines``)."""
+    samples = [t for run in runs for t in layer_stage_times(run, layers)]
     keys = [k for k in (*STAGE_ORDER, "layer") if any(k in s for s in samples)]
     keys += sorted({k for s in samples for k in s} - set(keys))
     return {k: statistics.median(s.get(k, 0.0) for s in samples) for k in keys}
