@@ -13,9 +13,12 @@ ring: load steps held in registers, 2 or 3, 2 if left out),
 grid splits/cap[/warp splits]``, the
 router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits the programs' warps
 make where they divide them (tiles.WARP_SPLIT; ``WS=0``: none, every split by the grid), the sparse
-attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer top-k's one-slice
+attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer's score pass launch:
+``SCORE=programs per SM/warps/pipeline stages`` (index_topk.SCORE_LAUNCH), the indexer top-k's one-slice
 width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), the most tokens
-a step may have for the one-kernel qkv path: ``QKV1=n`` (qkv_mma.ONE_KERNEL_TOKENS), and
+a step may have for the one-kernel qkv path: ``QKV1=n`` (qkv_mma.ONE_KERNEL_TOKENS), the shared-memory
+carveout every package kernel prefers: ``CARVE=percent`` of the largest share (-1: the driver's choice;
+kernel_attributes.py; the layer is run once first so that its kernels are loaded), and
 ``TWO=1``: two token groups on one expert weight stream for MXFP4 too (with an unpaired w13),
 ``TWO=0``: for no format (MXFP8 too).
 
@@ -28,7 +31,8 @@ environment, not a variant's: where a variant switches kernels the unfused chain
 compares against the default kernels' chain), a warning where a variant's
 output leaves the first variant's by more than 2e-2, and with --timeline each variant's kernels inside one
 graph replay (profiler; start and end relative to the first kernel, so PDL overlap shows) and, with
---layers > 1, the time each stage adds to a layer (minimax_ops/timeline.py).
+--layers > 1, the time each stage adds to a layer (minimax_ops/timeline.py). --occupancy prints, once per case,
+each loaded kernel's registers, shared memory and programs an SM holds, by the driver.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from minimax_ops.config import preset
 from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
 from minimax_ops.timeline import kernel_timelines, stage_medians
 
+import kernel_attributes  # (benchmarks/ is on the path of a script run from it)
+
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
     """"name:A=1,B=2;name2:..." -> [(name, {A: 1, B: 2}), ...]; a name alone sets nothing."""
@@ -58,13 +64,15 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1")
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1",
+          "CARVE", "SCORE")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
 _BASE_TWO_GROUPS = moe_mma._two_groups
 _BASE_LINEAR_TILES = {qkv_mma: qkv_mma.linear_tiles, linear_mma: linear_mma.linear_tiles}
 _BASE_SPLIT_LAUNCH = dict(attention.SPLIT_LAUNCH)
+_BASE_SCORE_LAUNCH = dict(index_topk.SCORE_LAUNCH)
 _BASE_TOPK_CHUNK = index_topk.TOPK_CHUNK
 _BASE_WARP_SPLIT = tiles.WARP_SPLIT
 _BASE_ONE_KERNEL = qkv_mma.ONE_KERNEL_TOKENS
@@ -146,19 +154,36 @@ def _set_attention_launch(spec: str | None) -> None:
         attention.SPLIT_LAUNCH.update(sparse_per_sm=per_sm, num_stages=stages)
 
 
-class _Env:
-    """A variant's environment variables and knobs, for the duration of a with block."""
+def _set_score_launch(spec: str | None) -> None:
+    """SCORE: the indexer's score pass programs per SM, warps and pipeline stages (None: the table's)."""
+    index_topk.SCORE_LAUNCH.clear()
+    index_topk.SCORE_LAUNCH.update(_BASE_SCORE_LAUNCH)
+    if spec:
+        per_sm, warps, stages = map(int, spec.split("/"))
+        index_topk.SCORE_LAUNCH.update(programs_per_sm=per_sm, num_warps=warps, num_stages=stages)
 
-    def __init__(self, env: dict[str, str]):
+
+class _Env:
+    """A variant's environment variables and knobs, for the duration of a with block (warm: a call that loads the
+    variant's kernels, made before a CARVE is set)."""
+
+    def __init__(self, env: dict[str, str], warm=None):
         self.knobs = {k: env.get(k) for k in _KNOBS}
         self.env, self.saved = {k: v for k, v in env.items() if k not in _KNOBS}, {}
+        self.warm = warm
 
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         self._apply(self.knobs)
+        if self.knobs["CARVE"] is not None:
+            if self.warm is not None:
+                self.warm()
+            kernel_attributes.set_carveout(int(self.knobs["CARVE"]))
 
     def __exit__(self, *exc):
+        if self.knobs["CARVE"] is not None:
+            kernel_attributes.set_carveout(-1)
         self._apply(dict.fromkeys(_KNOBS))
         for k, v in self.saved.items():
             if v is None:
@@ -176,6 +201,7 @@ class _Env:
         _set_gemv_tiles(qkv_mma, knobs["QKV"])
         _set_gemv_tiles(linear_mma, knobs["OPROJ"])
         _set_attention_launch(knobs["ATTN"])
+        _set_score_launch(knobs["SCORE"])
         index_topk.TOPK_CHUNK = int(knobs["SHORT"]) if knobs["SHORT"] else _BASE_TOPK_CHUNK
         qkv_mma.ONE_KERNEL_TOKENS = int(knobs["QKV1"]) if knobs["QKV1"] else _BASE_ONE_KERNEL
         ws = knobs["WS"]
@@ -230,6 +256,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--occupancy", action="store_true")
     ap.add_argument("--layers", type=int, default=1,
                     help="time a graph of this many consecutive layers (as the benchmark's --layers); us per layer")
     args = ap.parse_args()
@@ -247,7 +274,7 @@ def main() -> None:
                           qkv_mma._qkv_norm_rope_insert_kernel)
         for r in range(args.rounds):
             for name, env in variants:
-                with _Env(env):
+                with _Env(env, warm=fused):
                     seen = _compiled(expert_kernels)
                     times[name].append(_time(fused, graph=True) / args.layers)
                     if r == 0:
@@ -261,9 +288,13 @@ def main() -> None:
               f"{nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us, unfused graph {unf:.1f} us")
         print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
         print_medians(times, 24, lambda med: f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x")
+        if args.occupancy:
+            print("  loaded kernels, by the driver (the last variant's tiles; carveout: the driver's choice):")
+            for line in kernel_attributes.report():
+                print(f"    {line}")
         if args.timeline:
             for name, env in variants:
-                with _Env(env):
+                with _Env(env, warm=fused):
                     runs = kernel_timelines(fused)  # (one capture: a replay printed, all for the stages)
                 rows = runs[0]
                 stages = stage_medians(runs, args.layers) if args.layers > 1 else {}

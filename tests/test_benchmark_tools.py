@@ -14,13 +14,14 @@ import torch
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
          "ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies")
+HELPERS = ("kernel_attributes",)  # imported by the tools, no main of their own
 
 
 @pytest.fixture
 def tools(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield lambda name: importlib.import_module(name)
-    for name in TOOLS:
+    for name in TOOLS + HELPERS:
         sys.modules.pop(name, None)
 
 
@@ -148,6 +149,30 @@ def test_ab_attention_knob_patches_split_launch_and_restores(tools):
     with ab._Env({"ATTN": "3/4"}):
         assert attention.SPLIT_LAUNCH == {**base, "sparse_per_sm": 3, "num_stages": 4}
     assert attention.SPLIT_LAUNCH == base
+
+
+def test_ab_score_knob_patches_score_launch_and_restores(tools):
+    """SCORE= sets the indexer's score pass programs per SM, warps and stages for the variant only."""
+    ab = tools("ab_fused")
+    from minimax_ops.kernels import index_topk
+    base = dict(index_topk.SCORE_LAUNCH)
+    with ab._Env({"SCORE": "3/8/1"}):
+        assert index_topk.SCORE_LAUNCH == {"programs_per_sm": 3, "num_warps": 8, "num_stages": 1}
+    assert index_topk.SCORE_LAUNCH == base
+
+
+def test_ab_carveout_knob_loads_the_kernels_first_and_restores(tools, monkeypatch):
+    """CARVE= runs the variant's warm call (so its kernels are loaded), then sets every package kernel's
+    carveout preference; the driver's choice (-1) comes back after the variant; no CARVE, no call."""
+    ab = tools("ab_fused")
+    calls = []
+    monkeypatch.setattr(ab.kernel_attributes, "set_carveout", calls.append)
+    with ab._Env({"CARVE": "100"}, warm=lambda: calls.append("warm")):
+        assert calls == ["warm", 100]
+    assert calls == ["warm", 100, -1]
+    with ab._Env({"QKV1": "1"}, warm=lambda: calls.append("warm")):
+        pass
+    assert calls == ["warm", 100, -1]
 
 
 def test_ab_short_knob_patches_topk_width_and_restores(tools):

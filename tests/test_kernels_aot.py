@@ -105,6 +105,9 @@ def test_checker_flags_orphans_and_bad_signatures(tmp_path):
     assert sorted(out["not_compiled"]) == ["probe_kernels._cube", "probe_kernels.orphan_kernel"]
     good, bad = out["results"]
     assert good["ok"], good["error"]
+    # A CUDA compile reports what one program holds, read from its cubin (cubin_resources).
+    regs, stack, smem = (int(good["resources"].split()[i]) for i in (1, 3, 5))
+    assert 0 < regs <= 255 and stack >= 0 and smem >= 0 and good["resources"].endswith("a SM)"), good["resources"]
     assert not bad["ok"] and "missing ['y_ptr']" in bad["error"]
 
 

@@ -15,7 +15,8 @@ Coverage: every ``@triton.jit`` function defined in a kernel module must be list
 be called (directly or transitively) by a listed kernel; anything else is UNCOVERED and fails the
 check. After compiling, helpers that no compile actually generated (read from the initial IR: they
 sit behind constexpr branches no spec takes, e.g. interpreter-only code) are listed as NOTEs.
-Prints one line per (spec, target) and exits 1 on any failure.
+Prints one line per (spec, target), CUDA ones with what a program holds (registers, stack, shared memory) and
+how many an SM keeps resident (cubin_resources), and exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
-from . import wgmma_hazards
+from . import cubin_resources, wgmma_hazards
 
 PACKAGE = "minimax_ops.kernels"
-NOT_KERNEL_MODULES = {"aot", "aot_check", "wgmma_hazards"}
+NOT_KERNEL_MODULES = {"aot", "aot_check", "cubin_resources", "wgmma_hazards"}
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Result:
     error: str = ""
     seconds: float = 0.0
     functions: list[str] = field(default_factory=list)  # symbols in the initial IR (kernel + helpers)
+    resources: str = ""  # CUDA: a program's registers, stack and shared memory (cubin_resources)
 
 
 # ---- discovery --------------------------------------------------------------------------------------------
@@ -226,8 +228,9 @@ def constexpr_values(spec) -> dict[str, object]:
 _IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
 
 
-def compile_spec(spec, target: tuple) -> list[str]:
-    """Compile down to the target's binary; returns the function symbols of the initial IR."""
+def compile_spec(spec, target: tuple, resources: list | None = None) -> list[str]:
+    """Compile down to the target's binary; returns the function symbols of the initial IR. CUDA: appends
+    the program's cubin_resources.Resources to ``resources`` where one is given."""
     import triton
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
@@ -251,6 +254,9 @@ def compile_spec(spec, target: tuple) -> list[str]:
         if hazards:
             raise RuntimeError(f"wgmma register race: {len(hazards)} writes to in-flight A registers, first "
                                f"{hazards[0]}")
+        if resources is not None:
+            resources.append(cubin_resources.cubin_resources(compiled.asm["cubin"], compiled.metadata.name,
+                                                             compiled.metadata.shared, spec.num_warps))
     return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or ""))
 
 
@@ -288,9 +294,11 @@ def run_one(module: str, index: int, target: tuple) -> Result:
     start = time.perf_counter()
     captured = CapturedStderr()
     try:
+        resources = []
         with captured:
-            result.functions = compile_spec(spec, target)
+            result.functions = compile_spec(spec, target, resources)
         result.ok = True
+        result.resources = str(resources[0]) if resources else ""
     except Exception as e:
         text = "".join(traceback.format_exception_only(type(e), e)).strip() or type(e).__name__
         native = getattr(captured, "text", "")
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = (f.result() for f in [pool.submit(worker, *task) for task in tasks])
     for r in outcomes:
         results.append(r)
-        status = "ok" if r.ok else f"FAILED {one_line(r.error)}"
+        status = (f"ok {r.resources}" if r.resources else "ok") if r.ok else f"FAILED {one_line(r.error)}"
         print(f"{r.target:<11} {r.module}.{r.name} ({r.kernel}) {r.seconds:5.1f}s {status}", flush=True)
     if jobs > 1:
         pool.shutdown()
