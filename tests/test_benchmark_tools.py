@@ -157,7 +157,7 @@ def test_ab_score_knob_patches_score_launch_and_restores(tools):
     from minimax_ops.kernels import index_topk
     base = dict(index_topk.SCORE_LAUNCH)
     with ab._Env({"SCORE": "3/8/1"}):
-        assert index_topk.SCORE_LAUNCH == {"programs_per_sm": 3, "num_warps": 8, "num_stages": 1}
+        assert index_topk.SCORE_LAUNCH == {**base, "programs_per_sm": 3, "num_warps": 8, "num_stages": 1}
     assert index_topk.SCORE_LAUNCH == base
 
 
