@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minimax_ops.kernels.cubin_resources import HOPPER, Resources, parse_resource_usage, programs_per_sm
+from minimax_ops.kernels.cubin_resources import HOPPER, Resources, bundled_tool, parse_resource_usage, programs_per_sm
 
 REPORT = """
 Resource usage:
@@ -49,3 +49,9 @@ def test_each_limit_can_decide():
     assert programs_per_sm(Resources(255, 0, 0, 8)) == 1  # registers
     # A neighbour that already takes more than the SM has leaves no room at all.
     assert programs_per_sm(Resources(16, 0, 0, 1), beside=((Resources(16, 0, 0, 32), 3),)) == 0
+
+
+def test_triton_bundles_the_tools_read_offline():
+    """cuobjdump (resources) and nvdisasm (SASS) ship beside triton; a missing tool is None, not an error."""
+    assert bundled_tool("cuobjdump") is not None and bundled_tool("nvdisasm") is not None
+    assert bundled_tool("no-such-tool") is None

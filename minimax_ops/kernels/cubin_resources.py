@@ -66,19 +66,19 @@ def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def cuobjdump_path() -> str | None:
-    """Triton's bundled cuobjdump (works without a GPU), or None."""
+def bundled_tool(name: str) -> str | None:
+    """Triton's bundled CUDA binary tool ``name`` (cuobjdump, nvdisasm: they work without a GPU), or None."""
     try:
         import triton
     except ImportError:
         return None
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return path if os.access(path, os.X_OK) else None
 
 
 def cubin_resources(cubin: bytes, name: str, dynamic_shared: int, num_warps: int) -> Resources:
     """The resources of kernel ``name`` in a cubin; dynamic_shared is Triton's (the compiled metadata's)."""
-    tool = cuobjdump_path()
+    tool = bundled_tool("cuobjdump")
     if tool is None:
         raise RuntimeError("cuobjdump not found beside triton (triton/backends/nvidia/bin)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

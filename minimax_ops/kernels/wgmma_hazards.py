@@ -13,10 +13,11 @@ point) and reports every instruction that writes such a register while its group
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import tempfile
+
+from .cubin_resources import bundled_tool
 
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -150,12 +151,7 @@ def find_hazards(sass: str) -> list[Hazard]:
 
 def nvdisasm_path() -> str | None:
     """Triton's bundled nvdisasm (works without a GPU), or None."""
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    return path if os.access(path, os.X_OK) else None
+    return bundled_tool("nvdisasm")
 
 
 def cubin_sass(cubin: bytes) -> str:
