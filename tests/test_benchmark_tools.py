@@ -230,3 +230,48 @@ def test_read_patterns_kernel_reads_every_word_once(tools, step_major):
         return int(v[0])
     assert xor_all(out) == xor_all(src)
     assert xor_all(out[: out.numel() // 2]) != 0  # (the fold is not trivially empty)
+
+
+def test_kernel_attributes_reach_every_loaded_kernel(tools, monkeypatch):
+    """set_carveout asks the driver once per loaded specialisation of every package kernel (handles loaded first
+    where a kernel was compiled but not yet launched), and report() prints the driver's registers, shared memory
+    (static + Triton's dynamic) and programs an SM (driver calls faked: no GPU here)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    ka = tools("kernel_attributes")
+
+    class Compiled:
+        def __init__(self, handle, loaded):
+            self.function = handle if loaded else None
+            self.handle = handle
+            self.metadata = SimpleNamespace(num_warps=8, shared=1024)
+            self.n_spills = 0
+
+        def _init_handles(self):
+            self.function = self.handle
+
+    kernels = {"a": SimpleNamespace(device_caches={0: ({"k1": Compiled(11, True), "k2": Compiled(12, False)},)}),
+               "b": SimpleNamespace(device_caches={})}
+    monkeypatch.setattr(ka.aot_check, "module_names", lambda: ["norm"])
+    monkeypatch.setattr(ka.aot_check, "jit_functions", lambda module: kernels)
+    calls = []
+
+    class Driver:
+        def cuFuncSetAttribute(self, handle, attribute, value):
+            calls.append((handle.value, attribute, value.value))
+            return 0
+
+        def cuFuncGetAttribute(self, out, attribute, handle):
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = {1: 256, 4: 80}[attribute]
+            return 0
+
+        def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, out, handle, threads, shared):
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = 3 if threads == 256 else 0
+            return 0
+
+    monkeypatch.setattr(ka, "_cuda", Driver)
+    assert ka.set_carveout(100) == 2
+    assert calls == [(11, 9, 100), (12, 9, 100)]
+    lines = ka.report()
+    assert len(lines) == 2 and all("regs  80" in ln and "smem   1280" in ln and "->  3 a SM" in ln for ln in lines)
