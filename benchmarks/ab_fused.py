@@ -289,7 +289,7 @@ def main() -> None:
         print(f"  {'variant':24s} {'median us':>9s} {'rounds':>24s} {'% copy':>7s} {'vs unfused':>10s}")
         print_medians(times, 24, lambda med: f"{100 * nbytes / (med * 1e-6) / bw:6.1f}% {unf / med:9.3f}x")
         if args.occupancy:
-            print("  loaded kernels, by the driver (the last variant's tiles; carveout: the driver's choice):")
+            print("  every kernel specialisation loaded so far (all variants, fused and unfused), by the driver:")
             for line in kernel_attributes.report():
                 print(f"    {line}")
         if args.timeline:
