@@ -92,6 +92,24 @@ def test_layer_matches_reference(case, query_len):
             assert same_bytes(got.index, ref_cache.index) or rel(got.index, ref_cache.index) < 1e-2
 
 
+def test_score_pass_reading_its_first_keys_after_the_wait_changes_nothing(monkeypatch):
+    """The indexer's score pass reads its first block's keys before its PDL wait (default) or after it
+    (MINIMAX_OPS_NO_SCORE_EARLY=1, read at every call): the fused layer's output, residual and caches are the
+    same bytes either way (the same products, loaded at another time)."""
+    *_, layer, cache, meta, x, res, _, _ = _setup("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "kernel",
+                                                  contexts=[4000, 33000, 700], query_len=1, seed=5)
+    runs = []
+    for late in ("0", "1"):
+        monkeypatch.setenv("MINIMAX_OPS_NO_SCORE_EARLY", late)
+        written = cache.clone()
+        runs.append((*layer.fused_forward(x, res, meta.positions, written, meta), written))
+        torch.cuda.synchronize()
+    (out0, res0, cache0), (out1, res1, cache1) = runs
+    assert torch.isfinite(out0[:-1].float()).all()
+    assert same_bytes(out0, out1) and same_bytes(res0, res1)
+    assert same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
+
+
 @pytest.mark.parametrize("name,layer_idx", [("tiny", 1), ("real", 3), ("real", 0)])
 def test_fused_op_capture_and_replay(name, layer_idx):
     """Capture the fused op once; write new steps into the same buffers; replay matches the reference."""

@@ -25,6 +25,9 @@ so pass 2's kernel and its block ids' round trip through memory drop out.
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -64,7 +67,7 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
                         num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, EARLY: tl.constexpr = True):
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -75,8 +78,9 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, INDEX_DIM)
     # A block older than this step's tokens is not written by the previous kernel (which inserts only
-    # the step's keys): as a programmatic dependent, the first such block's keys are read before the wait.
-    early = (b_start < b_end) & (b_start < (seq_len - QUERY_LEN) // BLOCK_SIZE) & PDL
+    # the step's keys): as a programmatic dependent, the first such block's keys are read before the wait
+    # (EARLY; the [BLOCK_SIZE, Di] tile it holds across the wait costs shared memory and registers).
+    early = (b_start < b_end) & (b_start < (seq_len - QUERY_LEN) // BLOCK_SIZE) & PDL & EARLY
     keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
                        early, F16, DOT_FP32)
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
@@ -246,7 +250,8 @@ def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl) -> torch
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=index_cache.shape[1],
         BLOCK_M=_block_m(query_len, heads), F16=index_cache.dtype == torch.float8_e4m3fn,
-        DOT_FP32=index_q.device.type != "cuda", PDL=pdl, num_warps=SCORE_LAUNCH["num_warps"],
+        DOT_FP32=index_q.device.type != "cuda", PDL=pdl, EARLY=os.environ.get("MINIMAX_OPS_NO_SCORE_EARLY") != "1",
+        num_warps=SCORE_LAUNCH["num_warps"],
         num_stages=SCORE_LAUNCH["num_stages"], launch_pdl=pdl)
     return scores
 
@@ -303,7 +308,8 @@ def aot_specs() -> list[KernelSpec]:
                      "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
                      "num_splits": "i32"},
                     {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
-                     "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False},
+                     "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False,
+                     "EARLY": True},
                     num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
             short, chunk = topk_widths(width, block_k)
@@ -314,4 +320,7 @@ def aot_specs() -> list[KernelSpec]:
                 {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "BLOCK_SIZE": bs, "TOPK": topk,
                  "BLOCK_K": block_k, "SHORT": short, "CHUNK": chunk},
                 num_warps=4, name=f"index_topk_bs{bs}_k{topk}_q{query_len}"))
-    return with_pdl_variants(specs)
+    specs = with_pdl_variants(specs)
+    # The real size's one-token PDL launch without the early read (MINIMAX_OPS_NO_SCORE_EARLY=1)
+    early = next(s for s in specs if s.name == "index_score_d128_bs128_q1_fp8e4nv_pdl")
+    return specs + [replace(early, constexprs={**early.constexprs, "EARLY": False}, name=f"{early.name}_late")]
