@@ -212,12 +212,8 @@ class _Env:
 
 def _compiled(kernels) -> dict:
     """Every compiled specialisation of the given @triton.jit kernels so far, by identity."""
-    out = {}
-    for fn in kernels:
-        for entry in getattr(fn, "device_caches", {}).values():
-            for k in entry[0].values():
-                out[id(k)] = (fn.__name__, getattr(k, "n_regs", None), getattr(k, "n_spills", None))
-    return out
+    return {id(k): (name, k.n_regs, k.n_spills) for name, k in kernel_attributes.specialisations(
+        (k.__name__, k) for k in kernels)}
 
 
 def run_cases(experts: str, tokens: list[int], context: int, count: int, case) -> None:

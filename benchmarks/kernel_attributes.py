@@ -31,19 +31,23 @@ def _check(err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {err}")
 
 
-def package_kernels() -> list[tuple[str, object]]:
-    """(kernel name, compiled specialisation) for every kernel of minimax_ops.kernels compiled (and loaded) in
-    this process so far."""
+def specialisations(kernels) -> list[tuple[str, object]]:
+    """(kernel name, compiled specialisation) for every specialisation of the given (name, @triton.jit kernel)
+    pairs compiled in this process so far, its handles loaded."""
     out = []
-    for module in aot_check.module_names():
-        mod = importlib.import_module(f"{aot_check.PACKAGE}.{module}")
-        for name, fn in aot_check.jit_functions(mod).items():
-            for cache in getattr(fn, "device_caches", {}).values():
-                for compiled in cache[0].values():
-                    if getattr(compiled, "function", None) is None:
-                        compiled._init_handles()
-                    out.append((name, compiled))
+    for name, fn in kernels:
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in cache[0].values():
+                if getattr(compiled, "function", None) is None:
+                    compiled._init_handles()
+                out.append((name, compiled))
     return out
+
+
+def package_kernels() -> list[tuple[str, object]]:
+    """specialisations() of every kernel of minimax_ops.kernels."""
+    modules = (importlib.import_module(f"{aot_check.PACKAGE}.{m}") for m in aot_check.module_names())
+    return specialisations(pair for mod in modules for pair in aot_check.jit_functions(mod).items())
 
 
 def _attribute(function: int, attribute: int) -> int:

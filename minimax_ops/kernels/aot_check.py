@@ -228,9 +228,9 @@ def constexpr_values(spec) -> dict[str, object]:
 _IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
 
 
-def compile_spec(spec, target: tuple, resources: list | None = None) -> list[str]:
-    """Compile down to the target's binary; returns the function symbols of the initial IR. CUDA: appends
-    the program's cubin_resources.Resources to ``resources`` where one is given."""
+def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resources | None]:
+    """Compile down to the target's binary; returns the function symbols of the initial IR and, for CUDA, what
+    one program holds (cubin_resources)."""
     import triton
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
@@ -249,15 +249,15 @@ def compile_spec(spec, target: tuple, resources: list | None = None) -> list[str
         raise RuntimeError(f"compiled without producing a {binary}")
     if "maxnreg" in options and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
         raise RuntimeError(f"the register cap {spec.max_registers} did not reach the PTX")
+    resources = None
     if target[0] == "cuda":
         hazards = wgmma_hazards.check_cubin(compiled.asm["cubin"])
         if hazards:
             raise RuntimeError(f"wgmma register race: {len(hazards)} writes to in-flight A registers, first "
                                f"{hazards[0]}")
-        if resources is not None:
-            resources.append(cubin_resources.cubin_resources(compiled.asm["cubin"], compiled.metadata.name,
-                                                             compiled.metadata.shared, spec.num_warps))
-    return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or ""))
+        resources = cubin_resources.cubin_resources(compiled.asm["cubin"], compiled.metadata.name,
+                                                    compiled.metadata.shared, spec.num_warps)
+    return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or "")), resources
 
 
 class CapturedStderr:
@@ -294,11 +294,10 @@ def run_one(module: str, index: int, target: tuple) -> Result:
     start = time.perf_counter()
     captured = CapturedStderr()
     try:
-        resources = []
         with captured:
-            result.functions = compile_spec(spec, target, resources)
+            result.functions, resources = compile_spec(spec, target)
         result.ok = True
-        result.resources = str(resources[0]) if resources else ""
+        result.resources = str(resources or "")
     except Exception as e:
         text = "".join(traceback.format_exception_only(type(e), e)).strip() or type(e).__name__
         native = getattr(captured, "text", "")

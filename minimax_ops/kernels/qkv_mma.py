@@ -122,9 +122,8 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
     if lw.n != width:
         raise ValueError(f"qkv_weight: expected {width} output rows for these head counts, got {lw.n}")
     fp8 = lw.layout.code == FMT_MXFP8_MMA
-    plan = None
-    if m <= ONE_KERNEL_TOKENS:
-        plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device, tiles)
+    plan = one_kernel_tiles(lw.layout.mma, fp8, width, k, head_dim, h.device, tiles) if m <= ONE_KERNEL_TOKENS \
+        else None
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
               rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
               v_scale=v_scale)
