@@ -19,7 +19,7 @@ from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, lo
                                  unpack_e2m1, unpack_mxfp8_words, weight_layout)
 from minimax_ops.kernels.expert_slots import build_slot_table
 from minimax_ops.kernels.moe import moe_experts
-from minimax_ops.kernels.tiles import mma_expert_tiles, portable_mma_tiles
+from minimax_ops.kernels.tiles import SHARED_AHEAD, mma_expert_tiles, portable_mma_tiles, shared_ahead_tiles
 from minimax_ops.weights import to_kernel_layout
 from utils import rel_err
 
@@ -404,6 +404,48 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
                               tiles=(dataclasses.replace(t13, ring=3), dataclasses.replace(t2, ring=3)))
             assert rel_err(out, want) < 1.5e-2, (n, t13, t2)
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
+
+
+@pytest.mark.parametrize("fmt, shared, ahead_bytes", [("mxfp4", "table", None), ("mxfp4", "separate", 1),
+                                                      ("mxfp8", "separate", None)])
+def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, device, monkeypatch):
+    """MINIMAX_OPS_SHARED_AHEAD=1: a one-token step launches the shared expert's first w13 rows alone,
+    K split by the grid (partials summed by the last split), before the routed slots' launch, which
+    streams the rest of them (ahead_bytes 1: one row group ahead) or has no shared slot left (None:
+    every row ahead). The reference either way, and one launch more than without it."""
+    from minimax_ops.kernels import moe_mma, tiles
+    hidden, inter = (128, 64) if fmt == "mxfp8" else (H, I)  # (the MXFP8 emulation is slow)
+    if ahead_bytes is not None:
+        monkeypatch.setitem(tiles.SHARED_AHEAD, "bytes", ahead_bytes)
+    torch.manual_seed(81)
+    h = torch.randn(1, hidden, device=device).bfloat16()
+    ids, weights = _routing(1, device)
+    canonical, mma = _tables(device, E + (shared == "table"), shared == "separate", inter, fmt, hidden, inter)
+    want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
+    launches = []
+    ahead = moe_mma._shared_ahead
+    monkeypatch.setattr(moe_mma, "_shared_ahead", lambda *a: launches.append(ahead(*a)) or launches[-1])
+    plain = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    assert launches == []
+    monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", "1")
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    i_blocks = inter // 16
+    assert launches == [1 if ahead_bytes else i_blocks]  # (portable tiles: a row block a group)
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2 and rel_err(out, plain) < 1e-2
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+
+
+def test_shared_ahead_tiles_fill_the_budget():
+    """The ahead launch streams the row groups SHARED_AHEAD's bytes hold (at least one, at most all),
+    in grid splits that keep each part whole load steps and the launch within its programs."""
+    t13 = mma_expert_tiles(6144, True, one_token=True)  # 2 row blocks a program, K split by 2 warps, depth 2
+    group_bytes = 2 * t13.row_blocks * (6144 // 64) * (4 * 128 + 32)
+    groups, ta = shared_ahead_tiles(t13, 96, group_bytes, 6144)
+    assert groups == min(96, SHARED_AHEAD["bytes"] // group_bytes) and groups * ta.split <= SHARED_AHEAD["programs"]
+    assert (6144 // 64) % (ta.split * ta.warp_split * ta.k_chunks) == 0 and ta.split > 1
+    assert dataclasses.replace(ta, split=t13.split) == t13
+    assert shared_ahead_tiles(t13, 96, 1 << 40, 6144)[0] == 1
+    assert shared_ahead_tiles(t13, 96, 1, 6144)[0] == 96
 
 
 def test_one_token_w2_holds_three_steps():
