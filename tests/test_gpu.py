@@ -113,9 +113,9 @@ def test_score_pass_reading_its_first_keys_after_the_wait_changes_nothing(monkey
 @pytest.mark.parametrize("exp, shared", [("mxfp4", "separate"), ("mxfp4", "table"), ("mxfp8", "separate")])
 def test_one_token_shared_expert_ahead_matches_reference(exp, shared, monkeypatch):
     """MINIMAX_OPS_SHARED_AHEAD=1 (read at every call): a one-token step's shared expert streams its first w13
-    rows in a launch of its own under the router (every row in MXFP4, about half in MXFP8, the rest in the routed
-    launch): the fused layer against the reference, eager and replayed from a CUDA graph, its caches the same
-    bytes as without it."""
+    rows in a launch of its own under the router (every row in MXFP4, then its w2 alone beside the routed w13;
+    about half in MXFP8, the rest in the routed launch): the fused layer against the reference, eager and
+    replayed from a CUDA graph, its caches the same bytes as without it."""
     from minimax_ops.kernels import moe_mma
     cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", exp, shared, FP8, FP8, "kernel",
                                                     contexts=[33000], query_len=1, seed=9, pad_requests=0)

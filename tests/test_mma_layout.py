@@ -406,13 +406,26 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
 
 
-@pytest.mark.parametrize("fmt, shared, ahead_bytes", [("mxfp4", "table", None), ("mxfp4", "separate", 1),
-                                                      ("mxfp8", "separate", None)])
-def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, device, monkeypatch):
-    """MINIMAX_OPS_SHARED_AHEAD=1: a one-token step launches the shared expert's first w13 rows alone,
-    K split by the grid (partials summed by the last split), before the routed slots' launch, which
-    streams the rest of them (ahead_bytes 1: one row group ahead) or has no shared slot left (None:
-    every row ahead). The reference either way, and one launch more than without it."""
+class _Grids:
+    """Stands in for a @triton.jit kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("fmt, shared, ahead_bytes, switch", [("mxfp4", "table", None, "1"),
+                                                              ("mxfp4", "separate", 1, "1"),
+                                                              ("mxfp8", "separate", None, "w13")])
+def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch, device, monkeypatch):
+    """MINIMAX_OPS_SHARED_AHEAD: a one-token step launches the shared expert's first w13 rows alone, K split
+    by the grid (partials summed by the last split), before the routed slots' launch, which streams the rest
+    of them (ahead_bytes 1: one row group ahead) or has no shared slot left (None: every row ahead); with
+    every row ahead and the switch at 1, the shared w2 runs alone too, before the routed w2. The reference
+    either way."""
     from minimax_ops.kernels import moe_mma, tiles
     hidden, inter = (128, 64) if fmt == "mxfp8" else (H, I)  # (the MXFP8 emulation is slow)
     if ahead_bytes is not None:
@@ -422,15 +435,20 @@ def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, device
     ids, weights = _routing(1, device)
     canonical, mma = _tables(device, E + (shared == "table"), shared == "separate", inter, fmt, hidden, inter)
     want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
-    launches = []
-    ahead = moe_mma._shared_ahead
-    monkeypatch.setattr(moe_mma, "_shared_ahead", lambda *a: launches.append(ahead(*a)) or launches[-1])
     plain = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
-    assert launches == []
-    monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", "1")
+    w13, w2 = _Grids(moe_mma._mma_w13_kernel), _Grids(moe_mma._mma_w2_kernel)
+    monkeypatch.setattr(moe_mma, "_mma_w13_kernel", w13)
+    monkeypatch.setattr(moe_mma, "_mma_w2_kernel", w2)
+    monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", switch)
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
-    i_blocks = inter // 16
-    assert launches == [1 if ahead_bytes else i_blocks]  # (portable tiles: a row block a group)
+    # (portable tiles: one row block a w13 program, K split in two by the warps and, with 2 K blocks a part, by
+    # the grid; K = 2 K blocks: no grid split)
+    groups, routed = inter // 16, K
+    grid_split = 2 if hidden == H else 1
+    ahead = 1 if ahead_bytes else groups
+    assert w13.grids == [(1, ahead, grid_split), (routed + (ahead < groups), groups, 1)]
+    w2_ahead = switch == "1" and ahead == groups
+    assert [g[0] for g in w2.grids] == [1, routed] if w2_ahead else [routed + 1]
     assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2 and rel_err(out, plain) < 1e-2
     assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 

@@ -20,13 +20,15 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
-streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot per
-pass whose programs run side by side (expert_slots.program_slot: they read each weight line at about the same time). With fixed
-groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
-and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``). Compacted steps build the
-step's slot table first (one program, expert_slots.build_slot_table: each slot's expert and its
-passes' tokens), which w13 and w2 read (``TABLE``, ``slot_tables``) instead of each of their
-thousands of programs scanning the step's ids.
+streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot
+per pass whose programs run side by side (expert_slots.program_slot: they read each weight line at
+about the same time). With fixed groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the
+slot's expert is not multiplied, and mxfp8_mma steps pair two groups on one weight stream
+(``_two_groups``). Compacted steps build the step's slot table first (one program,
+expert_slots.build_slot_table: each slot's expert and its passes' tokens), which w13 and w2 read
+(``TABLE``, ``slot_tables``) instead of each of their thousands of programs scanning the step's ids.
+One-token steps may launch the shared expert on its own ahead of the routed slots
+(MINIMAX_OPS_SHARED_AHEAD, ``_shared_ahead``): its w13 under the router, its w2 beside the routed w13.
 """
 
 from __future__ import annotations
@@ -251,7 +253,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
     for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
-    from the step's slot table (complete before w13's routed programs passed their wait)."""
+    from the step's slot table (complete before w13's routed programs passed their wait).
+    SHARED_ONLY with SHARED_SLOT: the shared expert alone, launched after the routed w13 while it runs
+    (one-token steps whose shared w13 a launch before that one made, ``_shared_ahead``: its activations
+    are complete once the routed w13 programs passed their wait): it streams before its wait, and waits
+    only before its stores."""
+    AHEAD: tl.constexpr = SHARED_ONLY and SHARED_SLOT
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
                                                                shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
@@ -272,7 +279,8 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     if PRELOAD:
         step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX)
     if PDL:
-        gdc_wait()
+        if not AHEAD:
+            gdc_wait()
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         for m0 in range(first_rank, ranks, STEP):
@@ -292,6 +300,9 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
+                if PDL:
+                    if AHEAD:  # (buffers of this step may reuse memory a running kernel still uses)
+                        gdc_wait()
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -404,9 +415,10 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     preload = preload_first(n)
     table_on = slot_table_on(shared_only, n)
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
+    ahead = os.environ.get("MINIMAX_OPS_SHARED_AHEAD", "0") if shared_slot and n == 1 else "0"
+    inter_sh = w13.inter_shared if shared_separate else inter
     shared_from, w13_slots, w13_shared, w13_common = 0, slots, shared_slots, common
-    if shared_slot and n == 1 and os.environ.get("MINIMAX_OPS_SHARED_AHEAD") == "1":
-        inter_sh = w13.inter_shared if shared_separate else inter
+    if ahead in ("1", "w13"):
         shared_from = _shared_ahead(h32, ids, *((sw, ss) if shared_separate else (w[n_routed:], s[n_routed:])), a,
                                     inter_sh, t13, common, alpha, limit, pdl)
         if shared_from >= inter_sh // 16:  # every shared row streamed ahead: no shared slot left here
@@ -422,13 +434,21 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
-    _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
+    w2_grid = (triton.cdiv(hidden // 16, nw2), t2.split)
+    w2_meta = dict(NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+                   RING=t2.ring, num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2))
+    if ahead == "1" and w13_shared == 0:  # the shared w2 too, beside the routed w13: a launch of its own
+        sw2, ss2 = (sw, ss) if shared_separate else (w[n_routed:], s[n_routed:])
+        _mma_w2_kernel[(1, *w2_grid)](
+            a32, ids, sw2, ss2, sw2, ss2, y, table, n, n * top_k, hidden, inter_sh, inter_sh, 0, 1, a32.stride(0),
+            a32.stride(1), sw2.stride(0), sw2.stride(1), ss2.stride(0), ss2.stride(1), sw2.stride(1), ss2.stride(1),
+            y.stride(0), y.stride(1), y.stride(2),
+            **w2_meta, **dict(common, SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True))
+        slots, shared_slots, common = routed, 0, w13_common
+    _mma_w2_kernel[(slots, *w2_grid)](
         a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0), shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
-        y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
-        RING=t2.ring,
-        num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
+        y.stride(0), y.stride(1), y.stride(2), **w2_meta, **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -466,7 +486,8 @@ def aot_specs() -> list[KernelSpec]:
                   "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
                   "stride_table": "i32", "shared_slots": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
-    sig13 = {"h_ptr": "*i32", **common_sig, "shared_from": "i32", "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
+    sig13 = {"h_ptr": "*i32", **common_sig, "shared_from": "i32", "a_ptr": "*bf16", "part_ptr": "*fp32",
+             "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
              "stride_pm": "i32", "stride_pcol": "i32", "alpha": "fp32", "limit": "fp32"}
     sig2 = {"a_ptr": "*i32", **common_sig, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32", "stride_acol": "i32",
@@ -539,21 +560,29 @@ def aot_specs() -> list[KernelSpec]:
     # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
     # compiled once per kernel (w13 and w2 both pair the groups), for the PTX decode it runs on.
     launch(True, real, "merged", True, False, 16, ("cuda",), compact=False)
-    # The one-token shared expert streamed ahead of the routed slots (_shared_ahead; CUDA, PDL): the shared
-    # expert alone, streaming before its wait, its K split by the grid too.
+    # The one-token shared expert streamed ahead (_shared_ahead; CUDA, PDL): alone, streaming before its wait,
+    # w13's K split by the grid too.
     hidden, inter, n_routed, top_k = real
     for fp8 in (False, True):
         t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=True)
+        t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=True)
         _, ta = _ahead_tiles(t13, inter // 16, hidden // MMA_K * ((MMA8_BYTES if fp8 else 4 * MMA_WORDS) + MMA_SCALES),
                              hidden)
+        common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(n_routed), TOPK=top_k,
+                      K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True,
+                      PTX=True, PDL=True, FP8=fp8, TWO_GROUPS=False, COMPACT=True, TABLE=False)
+        label = f"{'fp8_' if fp8 else ''}h{hidden}_shared_ahead_ptx_pdl"
         specs.append(KernelSpec(
             _mma_w13_kernel, sig13,
-            dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(n_routed), TOPK=top_k,
-                 K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True,
-                 PTX=True, PDL=True, FP8=fp8, TWO_GROUPS=False, COMPACT=True, NW=ta.num_warps, DEPTH=ta.k_chunks,
-                 SPLIT=ta.split, SPLIT_POW2=triton.next_power_of_2(ta.split), PREFETCH=_prefetch(ta),
-                 PAIRED=ta.paired, TABLE=False, RING=ta.ring, KS=ta.warp_split),
+            dict(common, NW=ta.num_warps, DEPTH=ta.k_chunks, SPLIT=ta.split,
+                 SPLIT_POW2=triton.next_power_of_2(ta.split), PREFETCH=_prefetch(ta), PAIRED=ta.paired, RING=ta.ring,
+                 KS=ta.warp_split),
             num_warps=ta.num_warps, num_stages=1, targets=("cuda",), max_registers=ta.max_registers,
-            name=f"mma_w13_{'fp8_' if fp8 else ''}h{hidden}_shared_ahead_ptx_pdl_d{ta.k_chunks}_s{ta.split}"
-                 f"w{ta.warp_split}{'_paired' if ta.paired else ''}"))
+            name=f"mma_w13_{label}_d{ta.k_chunks}_s{ta.split}w{ta.warp_split}{'_paired' if ta.paired else ''}"))
+        specs.append(KernelSpec(
+            _mma_w2_kernel, sig2,
+            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
+                 PRELOAD=preloads(1), RING=t2.ring),
+            num_warps=t2.num_warps, num_stages=1, targets=("cuda",), max_registers=t2.max_registers,
+            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}_ring{t2.ring}"))
     return specs

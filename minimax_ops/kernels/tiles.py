@@ -276,7 +276,8 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
 # routed slots') can only wait. A launch of its own puts the shared expert's first w13 rows on those
 # places instead: about ``bytes`` of its weights (what streams in the router's few microseconds), split
 # over K by the grid until about ``programs`` programs stream them (the places the router leaves: two of
-# four on 96 SMs, four on 36). Not measured yet: off unless MINIMAX_OPS_SHARED_AHEAD=1 (read at every call).
+# four on 96 SMs, four on 36). Where that is every row, its w2 can stream beside the routed w13 the same way.
+# Not measured yet: off unless MINIMAX_OPS_SHARED_AHEAD=1 (both) or =w13 (read at every call).
 SHARED_AHEAD = {"bytes": 20 << 20, "programs": 288}
 
 
