@@ -441,12 +441,13 @@ def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch
     monkeypatch.setattr(moe_mma, "_mma_w2_kernel", w2)
     monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", switch)
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
-    # (portable tiles: one row block a w13 program, K split in two by the warps and, with 2 K blocks a part, by
-    # the grid; K = 2 K blocks: no grid split)
-    groups, routed = inter // 16, K
-    grid_split = 2 if hidden == H else 1
+    t13 = mma_expert_tiles(hidden, True, fp8=fmt == "mxfp8", one_token=True)
+    t13 = t13 if device == "cuda" else portable_mma_tiles(t13)
+    groups, routed = -(-inter // 16 // t13.row_blocks), K
     ahead = 1 if ahead_bytes else groups
-    assert w13.grids == [(1, ahead, grid_split), (routed + (ahead < groups), groups, 1)]
+    grid_split = shared_ahead_tiles(t13, ahead, 1, hidden)[1].split
+    assert grid_split == (2 if device != "cuda" and hidden == H else 1)  # (CPU: 4 K blocks, two a warp part)
+    assert w13.grids == [(1, ahead, grid_split), (routed + (ahead < groups), groups, t13.split)]
     w2_ahead = switch == "1" and ahead == groups
     assert [g[0] for g in w2.grids] == [1, routed] if w2_ahead else [routed + 1]
     assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2 and rel_err(out, plain) < 1e-2
