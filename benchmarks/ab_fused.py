@@ -15,7 +15,7 @@ router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits
 make where they divide them (tiles.WARP_SPLIT; ``WS=0``: none, every split by the grid), the sparse
 attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer's score pass launch:
 ``SCORE=programs per SM/warps/pipeline stages`` (index_topk.SCORE_LAUNCH), the one-token shared expert's
-launch ahead of the routed slots (with MINIMAX_OPS_SHARED_AHEAD=1): ``AHEAD=MB of its w13/programs``
+launch ahead of the routed slots (with MINIMAX_OPS_SHARED_AHEAD=1 or =w13): ``AHEAD=MiB of its w13/programs``
 (tiles.SHARED_AHEAD), the indexer top-k's one-slice
 width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), the most tokens
 a step may have for the one-kernel qkv path: ``QKV1=n`` (qkv_mma.ONE_KERNEL_TOKENS), the shared-memory
@@ -158,8 +158,8 @@ def _set_attention_launch(spec: str | None) -> None:
 
 
 def _set_shared_ahead(spec: str | None) -> None:
-    """AHEAD: the one-token shared expert's ahead launch, MB of its w13 and programs (tiles.SHARED_AHEAD; it
-    runs only where MINIMAX_OPS_SHARED_AHEAD=1); None: the table's."""
+    """AHEAD: the one-token shared expert's ahead launch, MiB of its w13 and programs (tiles.SHARED_AHEAD; it
+    runs only where MINIMAX_OPS_SHARED_AHEAD is 1 or w13); None: the table's."""
     tiles.SHARED_AHEAD.update(_BASE_SHARED_AHEAD)
     if spec:
         mbytes, programs = map(int, spec.split("/"))

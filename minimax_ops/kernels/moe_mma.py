@@ -381,7 +381,9 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
-    blocks per load step."""
+    blocks per load step. One-token steps with a shared slot may launch the shared expert alone ahead of
+    the routed slots (MINIMAX_OPS_SHARED_AHEAD, read at every call: =w13 its w13's first rows, =1 also its
+    w2 where every w13 row went ahead; ``_shared_ahead``)."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
