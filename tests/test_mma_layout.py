@@ -227,7 +227,7 @@ def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
     assert out.shape == (n, hidden) and torch.isfinite(out).all()
     assert rel_err(out, want) < 1.5e-2
-    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True))
 
 
 # (w13 grid splits, w13 warp splits, w13 depth, w2 splits, w2 depth, L2 prefetch steps of both: no table uses
@@ -421,11 +421,12 @@ class _Grids:
                                                               ("mxfp4", "separate", 1, "1"),
                                                               ("mxfp8", "separate", None, "w13")])
 def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch, device, monkeypatch):
-    """MINIMAX_OPS_SHARED_AHEAD: a one-token step launches the shared expert's first w13 rows alone, K split
-    by the grid (partials summed by the last split), before the routed slots' launch, which streams the rest
-    of them (ahead_bytes 1: one row group ahead) or has no shared slot left (None: every row ahead); with
-    every row ahead and the switch at 1, the shared w2 runs alone too, before the routed w2. The reference
-    either way."""
+    """MINIMAX_OPS_SHARED_AHEAD: a one-token step of the fused op's chain (pdl=True, asked for whether or not
+    the device has it) launches the shared expert's first w13 rows alone, K split by the grid (partials summed
+    by the last split), before the routed slots' launch, which streams the rest of them (ahead_bytes 1: one row
+    group ahead) or has no shared slot left (None: every row ahead); with every row ahead and the switch at 1,
+    the shared w2 runs alone too, before the routed w2. The reference either way; the vocabulary op's plain
+    launch (pdl=False) never goes ahead."""
     from minimax_ops.kernels import moe_mma, tiles
     hidden, inter = (128, 64) if fmt == "mxfp8" else (H, I)  # (the MXFP8 emulation is slow)
     if ahead_bytes is not None:
@@ -440,7 +441,10 @@ def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch
     monkeypatch.setattr(moe_mma, "_mma_w13_kernel", w13)
     monkeypatch.setattr(moe_mma, "_mma_w2_kernel", w2)
     monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", switch)
-    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    assert torch.equal(moe_experts(h, ids, weights, *mma, num_routed_experts=E), plain)
+    assert [g[0] for g in w13.grids] == [K + 1]  # (the plain launch: routed slots and the shared one)
+    w13.grids.clear(), w2.grids.clear()
+    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True)
     t13 = mma_expert_tiles(hidden, True, fp8=fmt == "mxfp8", one_token=True)
     t13 = t13 if device == "cuda" else portable_mma_tiles(t13)
     groups, routed = -(-inter // 16 // t13.row_blocks), K

@@ -377,13 +377,14 @@ def _shared_ahead(h32, ids, w, s, a, inter, t13, common, alpha, limit, pdl) -> i
 
 
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
-                       t13, t2, alpha, limit, pdl):
+                       t13, t2, alpha, limit, pdl, chained=False):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
-    blocks per load step. One-token steps with a shared slot may launch the shared expert alone ahead of
-    the routed slots (MINIMAX_OPS_SHARED_AHEAD, read at every call: =w13 its w13's first rows, =1 also its
-    w2 where every w13 row went ahead; ``_shared_ahead``)."""
+    blocks per load step. One-token steps of the fused op's chain (``chained``: it asked for PDL, whether
+    or not the device has it) with a shared slot may launch the shared expert alone ahead of the routed
+    slots (MINIMAX_OPS_SHARED_AHEAD, read at every call: =w13 its w13's first rows, =1 also its w2 where
+    every w13 row went ahead; ``_shared_ahead``); the vocabulary op's plain launches never do."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -417,7 +418,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     preload = preload_first(n)
     table_on = slot_table_on(shared_only, n)
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
-    ahead = os.environ.get("MINIMAX_OPS_SHARED_AHEAD", "0") if shared_slot and n == 1 else "0"
+    ahead = os.environ.get("MINIMAX_OPS_SHARED_AHEAD", "0") if chained and shared_slot and n == 1 else "0"
     inter_sh = w13.inter_shared if shared_separate else inter
     shared_from, w13_slots, w13_shared, w13_common = 0, slots, shared_slots, common
     if ahead in ("1", "w13"):
