@@ -227,7 +227,7 @@ def _check_moe(n, shared, device, fmt, hidden=H, inter=I):
     out = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
     assert out.shape == (n, hidden) and torch.isfinite(out).all()
     assert rel_err(out, want) < 1.5e-2
-    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True))
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
 
 
 # (w13 grid splits, w13 warp splits, w13 depth, w2 splits, w2 depth, L2 prefetch steps of both: no table uses
@@ -453,9 +453,9 @@ def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch
     assert grid_split == (2 if device != "cuda" and hidden == H else 1)  # (CPU: 4 K blocks, two a warp part)
     assert w13.grids == [(1, ahead, grid_split), (routed + (ahead < groups), groups, t13.split)]
     w2_ahead = switch == "1" and ahead == groups
-    assert [g[0] for g in w2.grids] == [1, routed] if w2_ahead else [routed + 1]
+    assert [g[0] for g in w2.grids] == ([1, routed] if w2_ahead else [routed + 1])
     assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2 and rel_err(out, plain) < 1e-2
-    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E))
+    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True))
 
 
 def test_shared_ahead_tiles_fill_the_budget():
