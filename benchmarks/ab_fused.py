@@ -14,9 +14,7 @@ grid splits/cap[/warp splits]``, the
 router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits the programs' warps
 make where they divide them (tiles.WARP_SPLIT; ``WS=0``: none, every split by the grid), the sparse
 attention's split launch: ``ATTN=programs per SM/pipeline stages``, the indexer's score pass launch:
-``SCORE=programs per SM/warps/pipeline stages`` (index_topk.SCORE_LAUNCH), the one-token shared expert's
-launch ahead of the routed slots (with MINIMAX_OPS_SHARED_AHEAD=1 or =w13): ``AHEAD=MiB of its w13/programs``
-(tiles.SHARED_AHEAD), the indexer top-k's one-slice
+``SCORE=programs per SM/warps/pipeline stages`` (index_topk.SCORE_LAUNCH), the indexer top-k's one-slice
 width: ``SHORT=blocks`` (index_topk.TOPK_CHUNK: rows of more blocks are selected by groups), the most tokens
 a step may have for the one-kernel qkv path: ``QKV1=n`` (qkv_mma.ONE_KERNEL_TOKENS), the shared-memory
 carveout every package kernel prefers: ``CARVE=percent`` of the largest share (-1: the driver's choice;
@@ -67,7 +65,7 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
 _KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1",
-          "CARVE", "SCORE", "AHEAD")
+          "CARVE", "SCORE")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
@@ -78,7 +76,6 @@ _BASE_SCORE_LAUNCH = dict(index_topk.SCORE_LAUNCH)
 _BASE_TOPK_CHUNK = index_topk.TOPK_CHUNK
 _BASE_WARP_SPLIT = tiles.WARP_SPLIT
 _BASE_ONE_KERNEL = qkv_mma.ONE_KERNEL_TOKENS
-_BASE_SHARED_AHEAD = dict(tiles.SHARED_AHEAD)
 
 
 def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> None:
@@ -157,15 +154,6 @@ def _set_attention_launch(spec: str | None) -> None:
         attention.SPLIT_LAUNCH.update(sparse_per_sm=per_sm, num_stages=stages)
 
 
-def _set_shared_ahead(spec: str | None) -> None:
-    """AHEAD: the one-token shared expert's ahead launch, MiB of its w13 and programs (tiles.SHARED_AHEAD; it
-    runs only where MINIMAX_OPS_SHARED_AHEAD is 1 or w13); None: the table's."""
-    tiles.SHARED_AHEAD.update(_BASE_SHARED_AHEAD)
-    if spec:
-        mbytes, programs = map(int, spec.split("/"))
-        tiles.SHARED_AHEAD.update(bytes=mbytes << 20, programs=programs)
-
-
 def _set_score_launch(spec: str | None) -> None:
     """SCORE: the indexer's score pass programs per SM, warps and pipeline stages (None: the table's)."""
     index_topk.SCORE_LAUNCH.clear()
@@ -216,7 +204,6 @@ class _Env:
         _set_score_launch(knobs["SCORE"])
         index_topk.TOPK_CHUNK = int(knobs["SHORT"]) if knobs["SHORT"] else _BASE_TOPK_CHUNK
         qkv_mma.ONE_KERNEL_TOKENS = int(knobs["QKV1"]) if knobs["QKV1"] else _BASE_ONE_KERNEL
-        _set_shared_ahead(knobs["AHEAD"])
         ws = knobs["WS"]
         tiles.WARP_SPLIT = _BASE_WARP_SPLIT if ws is None else frozenset(filter(None, ws.split("+"))) - {"0"}
         tiles.mma_linear_tiles.cache_clear()

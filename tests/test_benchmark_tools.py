@@ -161,16 +161,6 @@ def test_ab_score_knob_patches_score_launch_and_restores(tools):
     assert index_topk.SCORE_LAUNCH == base
 
 
-def test_ab_ahead_knob_patches_the_shared_ahead_launch_and_restores(tools):
-    """AHEAD= sets the one-token shared expert's ahead launch (MB of its w13, programs) for the variant only."""
-    ab = tools("ab_fused")
-    from minimax_ops.kernels import tiles
-    base = dict(tiles.SHARED_AHEAD)
-    with ab._Env({"AHEAD": "12/396", "MINIMAX_OPS_SHARED_AHEAD": "1"}):
-        assert tiles.SHARED_AHEAD == {"bytes": 12 << 20, "programs": 396}
-    assert tiles.SHARED_AHEAD == base
-
-
 def test_ab_carveout_knob_loads_the_kernels_first_and_restores(tools, monkeypatch):
     """CARVE= runs the variant's warm call (so its kernels are loaded), then sets every package kernel's
     carveout preference; the driver's choice (-1) comes back after the variant; no CARVE, no call."""

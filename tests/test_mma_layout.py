@@ -19,7 +19,7 @@ from minimax_ops.formats import (MMA8_SCALE_BIAS, MMA_SCALE_BIAS, dequantize, lo
                                  unpack_e2m1, unpack_mxfp8_words, weight_layout)
 from minimax_ops.kernels.expert_slots import build_slot_table
 from minimax_ops.kernels.moe import moe_experts
-from minimax_ops.kernels.tiles import SHARED_AHEAD, mma_expert_tiles, portable_mma_tiles, shared_ahead_tiles
+from minimax_ops.kernels.tiles import mma_expert_tiles, portable_mma_tiles
 from minimax_ops.weights import to_kernel_layout
 from utils import rel_err
 
@@ -404,71 +404,6 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
                               tiles=(dataclasses.replace(t13, ring=3), dataclasses.replace(t2, ring=3)))
             assert rel_err(out, want) < 1.5e-2, (n, t13, t2)
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
-
-
-class _Grids:
-    """Stands in for a @triton.jit kernel: records each launch's grid, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("fmt, shared, ahead_bytes, switch", [("mxfp4", "table", None, "1"),
-                                                              ("mxfp4", "separate", 1, "1"),
-                                                              ("mxfp8", "separate", None, "w13")])
-def test_one_token_shared_expert_streamed_ahead(fmt, shared, ahead_bytes, switch, device, monkeypatch):
-    """MINIMAX_OPS_SHARED_AHEAD: a one-token step of the fused op's chain (pdl=True, asked for whether or not
-    the device has it) launches the shared expert's first w13 rows alone, K split by the grid (partials summed
-    by the last split), before the routed slots' launch, which streams the rest of them (ahead_bytes 1: one row
-    group ahead) or has no shared slot left (None: every row ahead); with every row ahead and the switch at 1,
-    the shared w2 runs alone too, before the routed w2. The reference either way; the vocabulary op's plain
-    launch (pdl=False) never goes ahead."""
-    from minimax_ops.kernels import moe_mma, tiles
-    hidden, inter = (128, 64) if fmt == "mxfp8" else (H, I)  # (the MXFP8 emulation is slow)
-    if ahead_bytes is not None:
-        monkeypatch.setitem(tiles.SHARED_AHEAD, "bytes", ahead_bytes)
-    torch.manual_seed(81)
-    h = torch.randn(1, hidden, device=device).bfloat16()
-    ids, weights = _routing(1, device)
-    canonical, mma = _tables(device, E + (shared == "table"), shared == "separate", inter, fmt, hidden, inter)
-    want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
-    plain = moe_experts(h, ids, weights, *mma, num_routed_experts=E)
-    w13, w2 = _Grids(moe_mma._mma_w13_kernel), _Grids(moe_mma._mma_w2_kernel)
-    monkeypatch.setattr(moe_mma, "_mma_w13_kernel", w13)
-    monkeypatch.setattr(moe_mma, "_mma_w2_kernel", w2)
-    monkeypatch.setenv("MINIMAX_OPS_SHARED_AHEAD", switch)
-    assert torch.equal(moe_experts(h, ids, weights, *mma, num_routed_experts=E), plain)
-    assert [g[0] for g in w13.grids] == [K + 1]  # (the plain launch: routed slots and the shared one)
-    w13.grids.clear(), w2.grids.clear()
-    out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True)
-    t13 = mma_expert_tiles(hidden, True, fp8=fmt == "mxfp8", one_token=True)
-    t13 = t13 if device == "cuda" else portable_mma_tiles(t13)
-    groups, routed = -(-inter // 16 // t13.row_blocks), K
-    ahead = 1 if ahead_bytes else groups
-    grid_split = shared_ahead_tiles(t13, ahead, 1, hidden)[1].split
-    assert grid_split == (2 if device != "cuda" and hidden == H else 1)  # (CPU: 4 K blocks, two a warp part)
-    assert w13.grids == [(1, ahead, grid_split), (routed + (ahead < groups), groups, t13.split)]
-    w2_ahead = switch == "1" and ahead == groups
-    assert [g[0] for g in w2.grids] == ([1, routed] if w2_ahead else [routed + 1])
-    assert torch.isfinite(out).all() and rel_err(out, want) < 1.5e-2 and rel_err(out, plain) < 1e-2
-    assert torch.equal(out, moe_experts(h, ids, weights, *mma, num_routed_experts=E, pdl=True))
-
-
-def test_shared_ahead_tiles_fill_the_budget():
-    """The ahead launch streams the row groups SHARED_AHEAD's bytes hold (at least one, at most all),
-    in grid splits that keep each part whole load steps and the launch within its programs."""
-    t13 = mma_expert_tiles(6144, True, one_token=True)  # 2 row blocks a program, K split by 2 warps, depth 2
-    group_bytes = 2 * t13.row_blocks * (6144 // 64) * (4 * 128 + 32)
-    groups, ta = shared_ahead_tiles(t13, 96, group_bytes, 6144)
-    assert groups == min(96, SHARED_AHEAD["bytes"] // group_bytes) and groups * ta.split <= SHARED_AHEAD["programs"]
-    assert (6144 // 64) % (ta.split * ta.warp_split * ta.k_chunks) == 0 and ta.split > 1
-    assert dataclasses.replace(ta, split=t13.split) == t13
-    assert shared_ahead_tiles(t13, 96, 1 << 40, 6144)[0] == 1
-    assert shared_ahead_tiles(t13, 96, 1, 6144)[0] == 96
 
 
 def test_one_token_w2_holds_three_steps():

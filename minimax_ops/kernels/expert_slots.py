@@ -12,7 +12,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .aot import KernelSpec
-from .mma_decode import TOKENS
 
 PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
 TOKEN_CHUNK = tl.constexpr(16)  # tokens whose top-k ids are compared per step when compacting an expert's tokens
@@ -147,74 +146,6 @@ def chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK: tl.constexpr,
             tok = tl.maximum(tok, tl.max(tl.where(hit, t[None, None, :], -1), axis=2))
             base += tl.sum(chosen, axis=0)
     return tok
-
-
-# The mma-layout kernels' slots (moe_mma.py): a grid of (slot, row group, split) programs, the shared
-# expert's slots last, one per pass of its tokens.
-@triton.jit
-def pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
-                K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TABLE: tl.constexpr):
-    """(token, top-k column) of each rank of the slot's passes: from the step's slot table (TABLE;
-    row_ptr: the slot's row), or found from the step's ids (chooser_tokens, columns_of)."""
-    if TABLE:
-        tok, col = slot_row_tokens(row_ptr, n_tokens, rank, expert == NUM_ROUTED, TOPK)
-    else:
-        tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
-        col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-    return tok, col
-
-
-@triton.jit
-def slot_compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-                  SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr):
-    """(compact, ranks): whether the slot's passes take only the tokens that chose its expert (a
-    routed expert in a step of more than one token group), and how many ranks its passes cover."""
-    if COMPACT and not SHARED_ONLY:
-        compact = (n_tokens > TOKENS) & (expert != NUM_ROUTED)
-    else:
-        compact = n_tokens < 0  # (never)
-    ranks = n_tokens
-    if compact:
-        ranks = chooser_count(ids_ptr, n_tokens, expert, TOPK, K_POW2)
-    return compact, ranks
-
-
-@triton.jit
-def shared_pass(shared_slots):
-    """Which pass of the shared expert this program's slot makes: the grid's last ``shared_slots``
-    slots are its (0 in launches without it), routed slots get a negative index."""
-    return tl.program_id(0) - (tl.num_programs(0) - shared_slots)
-
-
-@triton.jit
-def program_slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM_ROUTED: tl.constexpr,
-                 E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                 SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, PASS: tl.constexpr):
-    """(expert, its slot table row, compact, first rank, end rank) of this program's slot: read from
-    the step's slot table (TABLE: routed slots), or found from the step's ids (``slot_compacts``).
-
-    The shared expert's slots (``shared_pass``; SHARED_ONLY launches have no other) have no row and
-    take every token: slot p the ranks of pass p (PASS tokens; the last slot the rest), so its passes
-    stream side by side, the programs of one row block adjacent in the launch order, reading each
-    weight line at about the same time (one slot would stream its passes one after the other)."""
-    pass_index = shared_pass(shared_slots)
-    shared = pass_index >= 0
-    if TABLE:
-        row_ptr = table_ptr + tl.program_id(0) * stride_table
-        expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
-        ranks = tl.where(shared, n_tokens, tl.load(row_ptr + 1, mask=shared == 0, other=0))
-        compact = n_tokens < 0  # (the rows name the passes' tokens)
-    else:
-        row_ptr = table_ptr  # (unused)
-        if SHARED_ONLY:
-            expert = tl.program_id(0) * 0  # (the launch's one-expert table)
-        else:
-            expert = tl.where(shared, NUM_ROUTED,
-                              slot_expert(ids_ptr, n_pairs, tl.program_id(0), NUM_ROUTED, E_POW2, False))
-        compact, ranks = slot_compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
-    first = tl.where(shared, pass_index * PASS, 0)
-    ranks = tl.where(shared & (pass_index < shared_slots - 1), first + PASS, ranks)
-    return expert, row_ptr, compact, first, ranks
 
 
 # A step's slot table (expert launches of routed slots in steps of more than one token group, with

@@ -264,11 +264,11 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
-                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, chained=False):
+                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl):
     if w13.fmt in MMA_CODES:
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
-                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, chained=chained)
+                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -326,7 +326,6 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights: expected fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
                          f"{tuple(topk_weights.shape)}")
-    chained = pdl  # (asked for by the fused op's chain, whether or not the device has PDL)
     pdl = pdl and pdl_supported(h.device)
     ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.contiguous()
@@ -386,7 +385,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     kw2 = _kernel_weights(t2_w, s2 if merge else None, inter_shared, "w2", ptx2, t2.fma)
     _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
                     shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
-                    alpha=alpha, limit=limit, pdl=pdl, chained=chained)
+                    alpha=alpha, limit=limit, pdl=pdl)
     if separate and not merge:
         st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms, n_tokens=n), s13)
         st2 = dataclasses.replace(_with_tiles(expert_tiles(s2.fmt, inter_shared, hidden, 1, False, sms,

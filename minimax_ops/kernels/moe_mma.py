@@ -20,15 +20,13 @@ operand registers; FP8 selects the mxfp8_mma blocks).
 Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
-streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot
-per pass whose programs run side by side (expert_slots.program_slot: they read each weight line at
-about the same time). With fixed groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the
-slot's expert is not multiplied, and mxfp8_mma steps pair two groups on one weight stream
-(``_two_groups``). Compacted steps build the step's slot table first (one program,
-expert_slots.build_slot_table: each slot's expert and its passes' tokens), which w13 and w2 read
-(``TABLE``, ``slot_tables``) instead of each of their thousands of programs scanning the step's ids.
-One-token steps may launch the shared expert on its own ahead of the routed slots
-(MINIMAX_OPS_SHARED_AHEAD, ``_shared_ahead``): its w13 under the router, its w2 beside the routed w13.
+streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot per
+pass whose programs run side by side (``_slot``: they read each weight line at about the same time). With fixed
+groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
+and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``). Compacted steps build the
+step's slot table first (one program, expert_slots.build_slot_table: each slot's expert and its
+passes' tokens), which w13 and w2 read (``TABLE``, ``slot_tables``) instead of each of their
+thousands of programs scanning the step's ids.
 """
 
 from __future__ import annotations
@@ -40,16 +38,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FMT_MXFP8_MMA, MMA8_BYTES, MMA_K, MMA_SCALES, MMA_WORDS
+from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
-from .expert_slots import (build_slot_table, columns_of, pass_tokens, program_slot, shared_pass, slot_weights,
-                           swiglu_oai)
+from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
+                           slot_weights, swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import (check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap,
-                    shared_ahead_tiles)
+from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
+
+
+@triton.jit
+def _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
+                 K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TABLE: tl.constexpr):
+    """(token, top-k column) of each rank of the slot's passes: from the step's slot table (TABLE;
+    row_ptr: the slot's row), or found from the step's ids (expert_slots.chooser_tokens, columns_of)."""
+    if TABLE:
+        tok, col = slot_row_tokens(row_ptr, n_tokens, rank, expert == NUM_ROUTED, TOPK)
+    else:
+        tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
+        col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+    return tok, col
 
 
 @triton.jit
@@ -60,12 +70,12 @@ def _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED
     group: (go: any did, both: two did, first: the rank offset of the first that did, tok_first /
     col_first: the lanes' tokens (-1: none) and top-k columns (-1 where a token did not choose it) in
     that group, tok_b / col_b: the same in the second)."""
-    tok_a, col_a = pass_tokens(ids_ptr, row_ptr, m0 + g, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
-                               SHARED_ONLY, TABLE)
+    tok_a, col_a = _pass_tokens(ids_ptr, row_ptr, m0 + g, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
+                                SHARED_ONLY, TABLE)
     any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
     if TWO_GROUPS:
-        tok_b, col_b = pass_tokens(ids_ptr, row_ptr, g + (m0 + TOKENS), n_tokens, expert, compact, NUM_ROUTED,
-                                   TOPK, K_POW2, SHARED_ONLY, TABLE)
+        tok_b, col_b = _pass_tokens(ids_ptr, row_ptr, g + (m0 + TOKENS), n_tokens, expert, compact, NUM_ROUTED,
+                                    TOPK, K_POW2, SHARED_ONLY, TABLE)
         any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
         go = any_a | any_b
         both = any_a & any_b
@@ -81,6 +91,59 @@ def _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED
         tok_first = tok_a
         col_first = col_a
     return go, both, first, tok_first, col_first, tok_b, col_b
+
+
+@triton.jit
+def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+              SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr):
+    """(compact, ranks): whether the slot's passes take only the tokens that chose its expert (a
+    routed expert in a step of more than one token group), and how many ranks its passes cover."""
+    if COMPACT and not SHARED_ONLY:
+        compact = (n_tokens > TOKENS) & (expert != NUM_ROUTED)
+    else:
+        compact = n_tokens < 0  # (never)
+    ranks = n_tokens
+    if compact:
+        ranks = chooser_count(ids_ptr, n_tokens, expert, TOPK, K_POW2)
+    return compact, ranks
+
+
+@triton.jit
+def _shared_pass(shared_slots):
+    """Which pass of the shared expert this program's slot makes: the grid's last ``shared_slots``
+    slots are its (0 in launches without it), routed slots get a negative index."""
+    return tl.program_id(0) - (tl.num_programs(0) - shared_slots)
+
+
+@triton.jit
+def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM_ROUTED: tl.constexpr,
+          E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
+          SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, PASS: tl.constexpr):
+    """(expert, its slot table row, compact, first rank, end rank) of this program's slot: read from
+    the step's slot table (TABLE: routed slots), or found from the step's ids (``_compacts``).
+
+    The shared expert's slots (``_shared_pass``; SHARED_ONLY launches have no other) have no row and
+    take every token: slot p the ranks of pass p (PASS tokens; the last slot the rest), so its passes
+    stream side by side, the programs of one row block adjacent in the launch order, reading each
+    weight line at about the same time (one slot would stream its passes one after the other)."""
+    pass_index = _shared_pass(shared_slots)
+    shared = pass_index >= 0
+    if TABLE:
+        row_ptr = table_ptr + tl.program_id(0) * stride_table
+        expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
+        ranks = tl.where(shared, n_tokens, tl.load(row_ptr + 1, mask=shared == 0, other=0))
+        compact = n_tokens < 0  # (the rows name the passes' tokens)
+    else:
+        row_ptr = table_ptr  # (unused)
+        if SHARED_ONLY:
+            expert = tl.program_id(0) * 0  # (the launch's one-expert table)
+        else:
+            expert = tl.where(shared, NUM_ROUTED, slot_expert(ids_ptr, n_pairs, tl.program_id(0), NUM_ROUTED, E_POW2,
+                                                              False))
+        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
+    first = tl.where(shared, pass_index * PASS, 0)
+    ranks = tl.where(shared & (pass_index < shared_slots - 1), first + PASS, ranks)
+    return expert, row_ptr, compact, first, ranks
 
 
 def shared_passes(n_tokens: int, two_groups: bool) -> int:
@@ -108,8 +171,8 @@ def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, e
                    NW: tl.constexpr, TABLE: tl.constexpr):
     """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
     rank, i_out = _fragment_out(m0, NW)
-    tok, col = pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
-                           TABLE)
+    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                            TABLE)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
@@ -126,15 +189,15 @@ def _store_y(acc, m0, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr
              stride_ycol, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
              SHARED_ONLY: tl.constexpr, NW: tl.constexpr, TABLE: tl.constexpr):
     rank, h_out = _fragment_out(m0, NW)
-    tok, col = pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
-                           TABLE)
+    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                            TABLE)
     y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
     tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
 
 
 @triton.jit
 def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_ptr, cnt_ptr, table_ptr,
-                    n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table, shared_slots, shared_from,
+                    n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table, shared_slots,
                     stride_hm, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                     stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
                     NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
@@ -151,34 +214,30 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     (mma_decode.warp_parts / fold_warps).
 
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
-    expert's slots (``shared_pass``) need only h, complete since the router passed its own wait: they
+    expert's slots (``_shared_pass``) need only h, complete since the router passed its own wait: they
     stream its weights under the router's tail and wait only before their first store (buffers of this
-    step may reuse memory the router still uses); they skip the row blocks below ``shared_from``, which
-    a launch before this one streamed. SHARED_ONLY with SHARED_SLOT is that earlier launch (one-token
-    steps of the fused layer, ``_shared_ahead``): the shared expert's first row blocks alone, streamed
-    before the wait. TABLE: routed slots read their expert and tokens from the step's slot table
-    (expert_slots.build_slot_table, the kernel before this one)."""
+    step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
+    from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     NWR: tl.constexpr = NW // KS  # (gate, up) row blocks of the program
     if PDL:
         if SHARED_SLOT:
-            if shared_pass(shared_slots) < 0:
+            if _shared_pass(shared_slots) < 0:
                 gdc_wait()
         else:
             gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
-    expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
-                                                               shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
-                                                               SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
+    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
+                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
+                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
     row_w, row_s = tl.multiple_of(row_w, 16), tl.multiple_of(row_s, 16)
     i_blocks = inter_e // 16
-    first_block = tl.where(shared_pass(shared_slots) >= 0, shared_from, 0)
-    if (expert >= 0) & (tl.program_id(1) * NWR < i_blocks) & (tl.program_id(1) * NWR >= first_block):
+    if (expert >= 0) & (tl.program_id(1) * NWR < i_blocks):
         d, g, c, e = fragment_index(NW, DEPTH)
         row_block, k_part = warp_parts(NW, DEPTH, KS)
         ib = tl.minimum(tl.program_id(1) * NWR + row_block, i_blocks - 1).to(tl.int64)
@@ -226,7 +285,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                                    NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                for m0 in range(first_rank, tl.where(shared_pass(shared_slots) >= 0, ranks, n_tokens),
+                for m0 in range(first_rank, tl.where(_shared_pass(shared_slots) >= 0, ranks, n_tokens),
                                 TOKENS):  # (routed slots: by token)
                     tok, i_out = _fragment_out(m0, NWR)
                     col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
@@ -253,16 +312,11 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
     for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
-    from the step's slot table (complete before w13's routed programs passed their wait).
-    SHARED_ONLY with SHARED_SLOT: the shared expert alone, launched after the routed w13 while it runs
-    (one-token steps whose shared w13 a launch before that one made, ``_shared_ahead``: its activations
-    are complete once the routed w13 programs passed their wait): it streams before its wait, and waits
-    only before its stores."""
-    AHEAD: tl.constexpr = SHARED_ONLY and SHARED_SLOT
+    from the step's slot table (complete before w13's routed programs passed their wait)."""
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-    expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
-                                                               shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
-                                                               SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
+    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
+                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
+                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
@@ -279,8 +333,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     if PRELOAD:
         step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX)
     if PDL:
-        if not AHEAD:
-            gdc_wait()
+        gdc_wait()
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         for m0 in range(first_rank, ranks, STEP):
@@ -300,9 +353,6 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
-                if PDL:
-                    if AHEAD:  # (buffers of this step may reuse memory a running kernel still uses)
-                        gdc_wait()
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -347,44 +397,12 @@ def _prefetch(t) -> int:
     return max(0, t.num_stages - 1)
 
 
-def _ahead_tiles(t13, i_blocks: int, row_block_bytes: int, hidden: int):
-    """tiles.shared_ahead_tiles for a w13 of ``i_blocks`` (gate, up) row block pairs of ``row_block_bytes`` each."""
-    nwr = t13.row_blocks
-    return shared_ahead_tiles(t13, triton.cdiv(i_blocks, nwr), 2 * nwr * row_block_bytes, hidden)
-
-
-def _shared_ahead(h32, ids, w, s, a, inter, t13, common, alpha, limit, pdl) -> int:
-    """Launch the shared expert's first w13 row blocks (w / s: its blocks and scales, a table whose
-    first expert it is; ``inter`` its intermediate size) as the shared expert alone, streaming before
-    its PDL wait under the router's programs (tiles.SHARED_AHEAD, shared_ahead_tiles); the launch after
-    it skips those rows. Returns how many row blocks it streams (0: none, no launch)."""
-    n, hidden = h32.shape[0], h32.shape[1] * 2
-    i_blocks, nwr = inter // 16, t13.row_blocks
-    groups, ta = _ahead_tiles(t13, i_blocks, w[0, 0].numel() * w.element_size() + s[0, 0].numel(), hidden)
-    counters = split_counters(h32.device, groups) if ta.split > 1 else None
-    split = ta.split if counters is not None else 1
-    part = torch.empty(split, n, a.shape[1], 2 * inter, dtype=torch.float32, device=a.device) if split > 1 else a
-    _mma_w13_kernel[(1, groups, split)](
-        h32, ids, w, s, w, s, a, part, counters if counters is not None else ids, ids, n, n * ids.shape[1], inter,
-        inter, hidden // 64, 0, 1, 0, h32.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), w.stride(1),
-        s.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
-        part.stride(2) if split > 1 else 0, float(alpha), float(limit),
-        NW=ta.num_warps, DEPTH=ta.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split),
-        PREFETCH=_prefetch(ta), PAIRED=ta.paired, TABLE=False, num_warps=ta.num_warps, num_stages=1, launch_pdl=pdl,
-        **register_cap(ta), RING=ta.ring, KS=ta.warp_split,
-        **dict(common, SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True))
-    return min(groups * nwr, i_blocks)
-
-
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
-                       t13, t2, alpha, limit, pdl, chained=False):
+                       t13, t2, alpha, limit, pdl):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
-    blocks per load step. One-token steps of the fused op's chain (``chained``: it asked for PDL, whether
-    or not the device has it) with a shared slot may launch the shared expert alone ahead of the routed
-    slots (MINIMAX_OPS_SHARED_AHEAD, read at every call: =w13 its w13's first rows, =1 also its w2 where
-    every w13 row went ahead; ``_shared_ahead``); the vocabulary op's plain launches never do."""
+    blocks per load step."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -401,7 +419,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA, TWO_GROUPS=two,
                   COMPACT=compacts())
-    # ``slots`` counts the shared expert once; the grid gives it a slot per pass (program_slot).
+    # ``slots`` counts the shared expert once; the grid gives it a slot per pass (_slot).
     routed = slots - int(shared_slot or shared_only)
     shared_slots = shared_passes(n, two) if shared_slot or shared_only else 0
     slots = routed + shared_slots
@@ -418,40 +436,24 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     preload = preload_first(n)
     table_on = slot_table_on(shared_only, n)
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
-    ahead = os.environ.get("MINIMAX_OPS_SHARED_AHEAD", "0") if chained and shared_slot and n == 1 else "0"
-    inter_sh = w13.inter_shared if shared_separate else inter
-    shared_from, w13_slots, w13_shared, w13_common = 0, slots, shared_slots, common
-    if ahead in ("1", "w13"):
-        shared_from = _shared_ahead(h32, ids, *((sw, ss) if shared_separate else (w[n_routed:], s[n_routed:])), a,
-                                    inter_sh, t13, common, alpha, limit, pdl)
-        if shared_from >= inter_sh // 16:  # every shared row streamed ahead: no shared slot left here
-            w13_slots, w13_shared, w13_common = routed, 0, dict(common, SHARED_SLOT=False)
-    _mma_w13_kernel[(w13_slots, groups, split)](
+    _mma_w13_kernel[(slots, groups, split)](
         h32, ids, w, s, sw, ss, a, part, counters, table, n, n * top_k, inter, w13.inter_shared, hidden // 64,
-        table.stride(0), w13_shared, shared_from, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), sw.stride(1), ss.stride(1), a.stride(0), a.stride(1), part.stride(0),
-        part.stride(1) if split > 1 else 0, part.stride(2) if split > 1 else 0, float(alpha), float(limit),
+        table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        sw.stride(1), ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
+        part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
         PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),
-        RING=t13.ring, KS=t13.warp_split, **w13_common)
+        RING=t13.ring, KS=t13.warp_split, **common)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
-    w2_grid = (triton.cdiv(hidden // 16, nw2), t2.split)
-    w2_meta = dict(NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
-                   RING=t2.ring, num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2))
-    if ahead == "1" and w13_shared == 0:  # the shared w2 too, beside the routed w13: a launch of its own
-        sw2, ss2 = (sw, ss) if shared_separate else (w[n_routed:], s[n_routed:])
-        _mma_w2_kernel[(1, *w2_grid)](
-            a32, ids, sw2, ss2, sw2, ss2, y, table, n, n * top_k, hidden, inter_sh, inter_sh, 0, 1, a32.stride(0),
-            a32.stride(1), sw2.stride(0), sw2.stride(1), ss2.stride(0), ss2.stride(1), sw2.stride(1), ss2.stride(1),
-            y.stride(0), y.stride(1), y.stride(2),
-            **w2_meta, **dict(common, SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True))
-        slots, shared_slots, common = routed, 0, w13_common
-    _mma_w2_kernel[(slots, *w2_grid)](
+    _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
         a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0), shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
-        y.stride(0), y.stride(1), y.stride(2), **w2_meta, **common)
+        y.stride(0), y.stride(1), y.stride(2),
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+        RING=t2.ring,
+        num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -477,7 +479,7 @@ def aot_specs() -> list[KernelSpec]:
     Left out, as compiling no line the kept specs do not on the same target:
     - the table mode (SHARED_SEPARATE only adds selects to the merged mode's code) and the routed
       mode (SHARED_SLOT=False only drops one) but for its slot-table kernels, whose row read
-      (``program_slot``) differs; the PDL entry wait without a shared slot is the shared-only mode's too;
+      (``_slot``) differs; the PDL entry wait without a shared slot is the shared-only mode's too;
     - PTX without PDL (PDL only adds the waits) but in the merged mode and at the small size: the
       vocabulary ops launch them, and the fragment-layout probe of tests/test_kernels_aot.py reads
       exactly these specs;
@@ -489,8 +491,7 @@ def aot_specs() -> list[KernelSpec]:
                   "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
                   "stride_table": "i32", "shared_slots": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
-    sig13 = {"h_ptr": "*i32", **common_sig, "shared_from": "i32", "a_ptr": "*bf16", "part_ptr": "*fp32",
-             "cnt_ptr": "*i32", "k_blocks": "i32",
+    sig13 = {"h_ptr": "*i32", **common_sig, "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
              "stride_pm": "i32", "stride_pcol": "i32", "alpha": "fp32", "limit": "fp32"}
     sig2 = {"a_ptr": "*i32", **common_sig, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32", "stride_acol": "i32",
@@ -563,29 +564,4 @@ def aot_specs() -> list[KernelSpec]:
     # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
     # compiled once per kernel (w13 and w2 both pair the groups), for the PTX decode it runs on.
     launch(True, real, "merged", True, False, 16, ("cuda",), compact=False)
-    # The one-token shared expert streamed ahead (_shared_ahead; CUDA, PDL): alone, streaming before its wait,
-    # w13's K split by the grid too.
-    hidden, inter, n_routed, top_k = real
-    for fp8 in (False, True):
-        t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=True)
-        t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=True)
-        _, ta = _ahead_tiles(t13, inter // 16, hidden // MMA_K * ((MMA8_BYTES if fp8 else 4 * MMA_WORDS) + MMA_SCALES),
-                             hidden)
-        common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(n_routed), TOPK=top_k,
-                      K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=True, SHARED_SEPARATE=False, SHARED_ONLY=True,
-                      PTX=True, PDL=True, FP8=fp8, TWO_GROUPS=False, COMPACT=True, TABLE=False)
-        label = f"{'fp8_' if fp8 else ''}h{hidden}_shared_ahead_ptx_pdl"
-        specs.append(KernelSpec(
-            _mma_w13_kernel, sig13,
-            dict(common, NW=ta.num_warps, DEPTH=ta.k_chunks, SPLIT=ta.split,
-                 SPLIT_POW2=triton.next_power_of_2(ta.split), PREFETCH=_prefetch(ta), PAIRED=ta.paired, RING=ta.ring,
-                 KS=ta.warp_split),
-            num_warps=ta.num_warps, num_stages=1, targets=("cuda",), max_registers=ta.max_registers,
-            name=f"mma_w13_{label}_d{ta.k_chunks}_s{ta.split}w{ta.warp_split}{'_paired' if ta.paired else ''}"))
-        specs.append(KernelSpec(
-            _mma_w2_kernel, sig2,
-            dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                 PRELOAD=preloads(1), RING=t2.ring),
-            num_warps=t2.num_warps, num_stages=1, targets=("cuda",), max_registers=t2.max_registers,
-            name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}_ring{t2.ring}"))
     return specs

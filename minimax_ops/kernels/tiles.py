@@ -271,29 +271,6 @@ def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = Fals
                        max_registers=max_registers, paired=w13 and paired, ring=ring[0] if ring else 2, warp_split=ws)
 
 
-# The fused layer's one-token shared expert streamed ahead (moe_mma._shared_ahead): the router is a
-# latency-bound kernel of 96 programs, and while it runs the w13 programs resident beside it (the
-# routed slots') can only wait. A launch of its own puts the shared expert's first w13 rows on those
-# places instead: about ``bytes`` of its weights (what streams in the router's few microseconds), split
-# over K by the grid until about ``programs`` programs stream them (the places the router leaves: two of
-# four on 96 SMs, four on 36). Where that is every row, its w2 can stream beside the routed w13 the same way.
-# Not measured yet: off unless MINIMAX_OPS_SHARED_AHEAD=1 (both) or =w13 (read at every call).
-SHARED_AHEAD = {"bytes": 20 << 20, "programs": 288}
-
-
-def shared_ahead_tiles(t13: ExpertTiles, row_groups: int, group_bytes: int, k: int) -> tuple[int, ExpertTiles]:
-    """(row groups, tiles) of the shared expert's ahead launch: its first row groups of w13 (of
-    ``row_groups``, ``group_bytes`` each) that SHARED_AHEAD's bytes hold (at least one), and ``t13``
-    with a grid split over K (partials summed by the last split) that keeps every part whole load steps
-    and the launch within SHARED_AHEAD's programs."""
-    groups = max(1, min(row_groups, SHARED_AHEAD["bytes"] // max(group_bytes, 1)))
-    blocks = k // MMA_K
-    per_part = t13.warp_split * t13.k_chunks
-    split = max(d for d in range(1, blocks // per_part + 1)
-                if blocks % (d * per_part) == 0 and (groups * d <= SHARED_AHEAD["programs"] or d == 1))
-    return groups, dataclasses.replace(t13, split=split)
-
-
 def portable_mma_tiles(t: ExpertTiles | MmaLinearTiles) -> ExpertTiles | MmaLinearTiles:
     """The tiles the emulated mma block product (interpreter, AMD) runs: one row block per program
     (a warp per K part of its warp split), one block per step, no L2 prefetch, no register cap and
