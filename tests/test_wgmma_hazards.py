@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from minimax_ops.kernels.wgmma_hazards import find_hazards, nvdisasm_path, written_registers
+from minimax_ops.kernels.cubin_resources import bundled_tool
+from minimax_ops.kernels.wgmma_hazards import find_hazards, written_registers
 
 
 def sass(*lines: str) -> str:
@@ -82,7 +83,7 @@ def test_written_registers(text, regs):
 
 def test_nvdisasm_ships_with_triton():
     """aot_check disassembles every CUDA kernel with it: CI must have it."""
-    assert nvdisasm_path() is not None
+    assert bundled_tool("nvdisasm") is not None
 
 
 # The expert w2 kernel at the tiles that raced on the H200 (MXFP4, 128 x 64, 3 stages, weights as A),

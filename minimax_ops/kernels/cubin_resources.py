@@ -76,17 +76,21 @@ def bundled_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def cubin_resources(cubin: bytes, name: str, dynamic_shared: int, num_warps: int) -> Resources:
-    """The resources of kernel ``name`` in a cubin; dynamic_shared is Triton's (the compiled metadata's)."""
-    tool = bundled_tool("cuobjdump")
+def run_on_cubin(tool_name: str, option: str, cubin: bytes) -> str:
+    """The standard output of Triton's bundled ``tool_name`` run with ``option`` on a cubin (written to a
+    temporary file); RuntimeError if the tool is not there."""
+    tool = bundled_tool(tool_name)
     if tool is None:
-        raise RuntimeError("cuobjdump not found beside triton (triton/backends/nvidia/bin)")
+        raise RuntimeError(f"{tool_name} not found beside triton (triton/backends/nvidia/bin)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    usage = parse_resource_usage(text)
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def cubin_resources(cubin: bytes, name: str, dynamic_shared: int, num_warps: int) -> Resources:
+    """The resources of kernel ``name`` in a cubin; dynamic_shared is Triton's (the compiled metadata's)."""
+    usage = parse_resource_usage(run_on_cubin("cuobjdump", "--dump-resource-usage", cubin))
     if name not in usage:
         raise RuntimeError(f"cuobjdump lists no function {name!r} (it lists {sorted(usage)})")
     u = usage[name]

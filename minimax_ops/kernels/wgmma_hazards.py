@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import tempfile
 
-from .cubin_resources import bundled_tool
+from .cubin_resources import run_on_cubin
 
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -149,20 +147,9 @@ def find_hazards(sass: str) -> list[Hazard]:
     return sorted(hazards.values(), key=lambda h: h.write.address)
 
 
-def nvdisasm_path() -> str | None:
-    """Triton's bundled nvdisasm (works without a GPU), or None."""
-    return bundled_tool("nvdisasm")
-
-
 def cubin_sass(cubin: bytes) -> str:
-    tool = nvdisasm_path()
-    if tool is None:
-        raise RuntimeError("nvdisasm not found beside triton (triton/backends/nvidia/bin)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        done = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True)
-    return done.stdout
+    """The cubin's SASS, by Triton's bundled nvdisasm (it works without a GPU)."""
+    return run_on_cubin("nvdisasm", "-c", cubin)
 
 
 def check_cubin(cubin: bytes) -> list[Hazard]:
