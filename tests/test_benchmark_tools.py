@@ -207,6 +207,29 @@ def test_stage_removal_hooks(tools, monkeypatch):
     assert routed == ["h1"]
 
 
+def test_stage_removal_skips_only_the_named_kernel(tools, monkeypatch):
+    """A removed router top-k or attention merge: the first call runs whole and its output is kept; later
+    calls still run, with that one kernel's launches skipped (and restored after)."""
+    sr = tools("stage_removal")
+    from minimax_ops.kernels import attention
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(grid)
+
+    monkeypatch.setattr(attention, "_attention_merge_kernel", Kernel())
+    monkeypatch.setitem(sr._STATE, "merge", {})
+
+    def run(x):
+        attention._attention_merge_kernel[(x,)]()
+        return x
+
+    assert sr._first_full("merge", 7, run, 1) == 1 and launched == [(1,)]
+    assert sr._first_full("merge", 7, run, 2) == 1 and launched == [(1,)]
+    assert isinstance(attention._attention_merge_kernel, Kernel)
+
+
 @pytest.mark.parametrize("step_major", [False, True])
 def test_read_patterns_kernel_reads_every_word_once(tools, step_major):
     """Both layouts of the pure-read benchmark cover the buffer exactly once: the XOR of what the

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .aot import KernelSpec
+from .router import select_topk
 
 PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
 TOKEN_CHUNK = tl.constexpr(16)  # tokens whose top-k ids are compared per step when compacting an expert's tokens
@@ -108,6 +109,47 @@ def columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: t
         routed = tl.max(tl.where(ids == expert, k, -1), axis=2)
         col = tl.where(expert == NUM_ROUTED, col, routed)
     return col
+
+
+# One-token steps of the fused layer route inside the expert kernels (moe.routed_moe_experts): every
+# program that needs the step's choice makes it from the router's logits (``routed_ids``, the router's
+# own top-k arithmetic), and the helpers above take those ids from registers (``slot_expert_of``,
+# ``columns_of_ids``) instead of from memory.
+
+
+@triton.jit
+def routed_ids(logits_ptr, bias_ptr, scaling, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr,
+               K_POW2: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A one-token step's (ids int32 [K_POW2], weights fp32 [K_POW2]) from its fp32 router logits
+    [NUM_ROUTED] (router.router_logits): router.route's choice, as router.select_topk makes it."""
+    offs_e = tl.arange(0, E_POW2)
+    e_mask = offs_e < NUM_ROUTED
+    bias = None
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    logits = tl.load(logits_ptr + offs_e, mask=e_mask, other=0.0)
+    return select_topk(logits, bias, e_mask, scaling, TOPK, K_POW2)
+
+
+@triton.jit
+def slot_expert_of(ids, slot, TOPK: tl.constexpr):
+    """slot_expert for one token's distinct ids in registers (routed_ids): the slot-th smallest, -1
+    past the last."""
+    k = tl.arange(0, ids.shape[0])
+    valid = k < TOPK
+    v = tl.where(valid, ids, 2147483647)
+    rank = tl.sum((v[None, :] < v[:, None]).to(tl.int32), axis=1)
+    return tl.max(tl.where(valid & (rank == slot), ids, -1), axis=0)
+
+
+@triton.jit
+def columns_of_ids(ids, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr):
+    """columns_of for one token's ids in registers (routed_ids): the top-k column that chose
+    ``expert`` (TOPK for the shared expert) where tok is token 0, -1 elsewhere."""
+    k = tl.arange(0, ids.shape[0])
+    routed = tl.max(tl.where((ids == expert) & (k < TOPK), k, -1), axis=0)
+    valid = (tok == 0) & (n_tokens > 0)
+    return tl.where(valid, tl.where(expert == NUM_ROUTED, TOPK, routed), -1)
 
 
 @triton.jit

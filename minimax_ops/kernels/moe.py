@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight,
                         gdc_launch_dependents, gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
 from .expert_slots import program_expert, slot_weights, swiglu_oai, token_columns
+from . import router
 from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
@@ -264,11 +266,13 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
-                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl):
+                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, route=None):
     if w13.fmt in MMA_CODES:
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
-                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl)
+                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route)
+    if route is not None:
+        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -310,7 +314,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 shared_w13: torch.Tensor | None = None, shared_w13_scale: torch.Tensor | None = None,
                 shared_w2: torch.Tensor | None = None, shared_w2_scale: torch.Tensor | None = None, *,
                 num_routed_experts: int, alpha: float = 1.702, limit: float = 7.0,
-                tiles: tuple[ExpertTiles, ExpertTiles] | None = None, pdl: bool = False) -> torch.Tensor:
+                tiles: tuple[ExpertTiles, ExpertTiles] | None = None, pdl: bool = False,
+                route: tuple | None = None) -> torch.Tensor:
     """out [n, H] bf16 = shared(h) + sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(h).
 
     w13 [E', 2I, H] (gate rows then up rows) and w2 [E', H, I] in any layout of formats.LAYOUTS
@@ -318,7 +323,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     num_routed_experts (E' = num_routed + 1), or shared_w13 [2Is, H] / shared_w2 [H, Is] in their
     own formats, or absent. Ids outside [0, num_routed_experts) are ignored. ``tiles`` overrides
     the (w13, w2) tile heuristic (tuning, tests). ``pdl``: launch as programmatic dependents
-    (CUDA sm_90+ only)."""
+    (CUDA sm_90+ only). ``route`` (routed_moe_experts): the router's (logits, bias, scaling); topk_ids /
+    topk_weights are then buffers the expert kernels fill."""
     check_rows("h", h, shape="[n, H]", dim="H")
     n, hidden = h.shape
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -385,7 +391,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     kw2 = _kernel_weights(t2_w, s2 if merge else None, inter_shared, "w2", ptx2, t2.fma)
     _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
                     shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
-                    alpha=alpha, limit=limit, pdl=pdl)
+                    alpha=alpha, limit=limit, pdl=pdl,
+                    route=None if route is None else (route[0], route[1], topk_weights, route[2]))
     if separate and not merge:
         st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms, n_tokens=n), s13)
         st2 = dataclasses.replace(_with_tiles(expert_tiles(s2.fmt, inter_shared, hidden, 1, False, sms,
@@ -407,6 +414,45 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split,
         PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
+    """Whether routed_moe_experts makes a step's top-k inside the expert kernels: one-token steps on
+    expert tables in an mma layout (their kernels take the choice from registers), unless
+    MINIMAX_OPS_NO_ROUTE_IN_EXPERTS=1 (read at every call: A/B runs switch it between rounds)."""
+    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS") == "1":
+        return False
+    return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
+
+
+def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
+                       scaling: float, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
+                       w2_scale: torch.Tensor | None, shared_w13: torch.Tensor | None = None,
+                       shared_w13_scale: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
+                       shared_w2_scale: torch.Tensor | None = None, *, num_routed_experts: int, alpha: float = 1.702,
+                       limit: float = 7.0, pdl: bool = False) -> torch.Tensor:
+    """router.route then moe_experts, as one step of the fused layer. Where ``routes_in_kernel``, the
+    router writes only its logits (router.router_logits: whole gate rows a program, no partials, no
+    arrival counter, no top-k program) and each expert program makes the router's top-k itself from
+    them (the top-k tail of the router and the ids' round trip leave the critical path); else the two
+    launches as they are."""
+    if not routes_in_kernel(h.shape[0], w13, w13_scale):
+        weights, ids = router.route(h, gate, gate_bias, top_k, scaling, pdl=pdl)
+        return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                           shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl)
+    if gate.shape[0] != num_routed_experts:
+        raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
+    if gate_bias is not None and (gate_bias.dtype != torch.float32 or tuple(gate_bias.shape) != (gate.shape[0],)):
+        raise ValueError(f"gate_bias: expected fp32 [{gate.shape[0]}] or None, got {gate_bias.dtype} "
+                         f"{tuple(gate_bias.shape)}")
+    if not 1 <= top_k <= num_routed_experts:
+        raise ValueError(f"top_k: expected 1..{num_routed_experts}, got {top_k}")
+    logits = router.router_logits(h, gate, pdl=pdl)
+    ids = torch.empty(1, top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(1, top_k, dtype=torch.float32, device=h.device)
+    return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                       shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl,
+                       route=(logits, None if gate_bias is None else gate_bias.contiguous(), scaling))
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------

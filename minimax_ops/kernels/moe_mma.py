@@ -21,8 +21,8 @@ Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expe
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
 groups of 8 consecutive tokens streamed an expert chosen in both groups twice, a compacted pass
 streams it once unless more than 8 tokens chose it; the shared expert takes every token, in a slot per
-pass whose programs run side by side (``_slot``: they read each weight line at about the same time). With fixed
-groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
+pass whose programs run side by side (expert_passes.program_slot: they read each weight line at about the
+same time). With fixed groups (MINIMAX_OPS_NO_COMPACT=1) a group that did not choose the slot's expert is not multiplied,
 and mxfp8_mma steps pair two groups on one weight stream (``_two_groups``). Compacted steps build the
 step's slot table first (one program, expert_slots.build_slot_table: each slot's expert and its
 passes' tokens), which w13 and w2 read (``TABLE``, ``slot_tables``) instead of each of their
@@ -40,119 +40,13 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
-from .expert_slots import (build_slot_table, chooser_count, chooser_tokens, columns_of, slot_expert, slot_row_tokens,
-                           slot_weights, swiglu_oai)
+from .expert_passes import program_slot, shared_pass, shared_passes, token_groups, pass_tokens
+from .expert_slots import build_slot_table, columns_of, columns_of_ids, routed_ids, slot_weights, swiglu_oai
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
-
-
-@triton.jit
-def _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
-                 K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TABLE: tl.constexpr):
-    """(token, top-k column) of each rank of the slot's passes: from the step's slot table (TABLE;
-    row_ptr: the slot's row), or found from the step's ids (expert_slots.chooser_tokens, columns_of)."""
-    if TABLE:
-        tok, col = slot_row_tokens(row_ptr, n_tokens, rank, expert == NUM_ROUTED, TOPK)
-    else:
-        tok = chooser_tokens(ids_ptr, n_tokens, expert, rank, compact, TOPK, K_POW2)
-        col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
-    return tok, col
-
-
-@triton.jit
-def _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr,
-                  K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, TWO_GROUPS: tl.constexpr, TABLE: tl.constexpr):
-    """Which token groups of the pass at rank m0 (one, or two with TWO_GROUPS: ranks m0 and m0 + 8;
-    ranks name tokens through expert_slots.chooser_tokens) chose ``expert``, g the lanes' rank in a
-    group: (go: any did, both: two did, first: the rank offset of the first that did, tok_first /
-    col_first: the lanes' tokens (-1: none) and top-k columns (-1 where a token did not choose it) in
-    that group, tok_b / col_b: the same in the second)."""
-    tok_a, col_a = _pass_tokens(ids_ptr, row_ptr, m0 + g, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
-                                SHARED_ONLY, TABLE)
-    any_a = tl.max(tl.max(col_a, axis=1), axis=0) >= 0
-    if TWO_GROUPS:
-        tok_b, col_b = _pass_tokens(ids_ptr, row_ptr, g + (m0 + TOKENS), n_tokens, expert, compact, NUM_ROUTED,
-                                    TOPK, K_POW2, SHARED_ONLY, TABLE)
-        any_b = tl.max(tl.max(col_b, axis=1), axis=0) >= 0
-        go = any_a | any_b
-        both = any_a & any_b
-        first = tl.where(any_a, m0, m0 + TOKENS)
-        tok_first = tl.where(any_a, tok_a, tok_b)
-        col_first = tl.where(any_a, col_a, col_b)
-    else:
-        tok_b = tok_a
-        col_b = col_a
-        go = any_a
-        both = False
-        first = m0
-        tok_first = tok_a
-        col_first = col_a
-    return go, both, first, tok_first, col_first, tok_b, col_b
-
-
-@triton.jit
-def _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-              SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr):
-    """(compact, ranks): whether the slot's passes take only the tokens that chose its expert (a
-    routed expert in a step of more than one token group), and how many ranks its passes cover."""
-    if COMPACT and not SHARED_ONLY:
-        compact = (n_tokens > TOKENS) & (expert != NUM_ROUTED)
-    else:
-        compact = n_tokens < 0  # (never)
-    ranks = n_tokens
-    if compact:
-        ranks = chooser_count(ids_ptr, n_tokens, expert, TOPK, K_POW2)
-    return compact, ranks
-
-
-@triton.jit
-def _shared_pass(shared_slots):
-    """Which pass of the shared expert this program's slot makes: the grid's last ``shared_slots``
-    slots are its (0 in launches without it), routed slots get a negative index."""
-    return tl.program_id(0) - (tl.num_programs(0) - shared_slots)
-
-
-@triton.jit
-def _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs, shared_slots, NUM_ROUTED: tl.constexpr,
-          E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_SLOT: tl.constexpr,
-          SHARED_ONLY: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, PASS: tl.constexpr):
-    """(expert, its slot table row, compact, first rank, end rank) of this program's slot: read from
-    the step's slot table (TABLE: routed slots), or found from the step's ids (``_compacts``).
-
-    The shared expert's slots (``_shared_pass``; SHARED_ONLY launches have no other) have no row and
-    take every token: slot p the ranks of pass p (PASS tokens; the last slot the rest), so its passes
-    stream side by side, the programs of one row block adjacent in the launch order, reading each
-    weight line at about the same time (one slot would stream its passes one after the other)."""
-    pass_index = _shared_pass(shared_slots)
-    shared = pass_index >= 0
-    if TABLE:
-        row_ptr = table_ptr + tl.program_id(0) * stride_table
-        expert = tl.where(shared, NUM_ROUTED, tl.load(row_ptr, mask=shared == 0, other=-1))
-        ranks = tl.where(shared, n_tokens, tl.load(row_ptr + 1, mask=shared == 0, other=0))
-        compact = n_tokens < 0  # (the rows name the passes' tokens)
-    else:
-        row_ptr = table_ptr  # (unused)
-        if SHARED_ONLY:
-            expert = tl.program_id(0) * 0  # (the launch's one-expert table)
-        else:
-            expert = tl.where(shared, NUM_ROUTED, slot_expert(ids_ptr, n_pairs, tl.program_id(0), NUM_ROUTED, E_POW2,
-                                                              False))
-        compact, ranks = _compacts(ids_ptr, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, COMPACT)
-    first = tl.where(shared, pass_index * PASS, 0)
-    ranks = tl.where(shared & (pass_index < shared_slots - 1), first + PASS, ranks)
-    return expert, row_ptr, compact, first, ranks
-
-
-def shared_passes(n_tokens: int, two_groups: bool) -> int:
-    """The shared expert's slots in an n-token step: one per pass of 8 tokens (16 with two token
-    groups a pass), unless MINIMAX_OPS_NO_SHARED_PASSES=1 (one slot streaming its passes in turn;
-    read at every launch: A/B runs switch it between rounds of one process)."""
-    if os.environ.get("MINIMAX_OPS_NO_SHARED_PASSES") == "1":
-        return 1
-    return max(1, triton.cdiv(n_tokens, (2 if two_groups else 1) * TOKENS.value))
 
 
 @triton.jit
@@ -165,14 +59,14 @@ def _fragment_out(m0, NW: tl.constexpr):
 
 
 @triton.jit
-def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
                    TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
                    NW: tl.constexpr, TABLE: tl.constexpr):
     """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
     rank, i_out = _fragment_out(m0, NW)
-    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
-                            TABLE)
+    tok, col = pass_tokens(ids_ptr, ids, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
+                            SHARED_ONLY, TABLE)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
@@ -185,18 +79,19 @@ def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, row_ptr, n_tokens, e
 
 
 @triton.jit
-def _store_y(acc, m0, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym,
+def _store_y(acc, m0, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert, y_ptr, stride_ysplit, stride_ym,
              stride_ycol, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
              SHARED_ONLY: tl.constexpr, NW: tl.constexpr, TABLE: tl.constexpr):
     rank, h_out = _fragment_out(m0, NW)
-    tok, col = _pass_tokens(ids_ptr, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
-                            TABLE)
+    tok, col = pass_tokens(ids_ptr, ids, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
+                            SHARED_ONLY, TABLE)
     y_ptrs = y_ptr + tl.program_id(2) * stride_ysplit + tok.to(tl.int64) * stride_ym + col * stride_ycol + h_out
     tl.store(y_ptrs, acc, mask=(col >= 0) & (h_out < hidden))
 
 
 @triton.jit
 def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_ptr, cnt_ptr, table_ptr,
+                    route_ptr, bias_ptr, tw_ptr, scaling,
                     n_tokens, n_pairs, inter, inter_shared, k_blocks, stride_table, shared_slots,
                     stride_hm, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                     stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
@@ -205,7 +100,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                     TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
-                    RING: tl.constexpr = 2, KS: tl.constexpr = 1):
+                    RING: tl.constexpr = 2, KS: tl.constexpr = 1, ROUTE: tl.constexpr = False,
+                    HAS_BIAS: tl.constexpr = False):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -214,24 +110,37 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     (mma_decode.warp_parts / fold_warps).
 
     PDL: the routed slots wait for the router first (their expert comes from its ids). The shared
-    expert's slots (``_shared_pass``) need only h, complete since the router passed its own wait: they
+    expert's slots (``shared_pass``) need only h, complete since the router passed its own wait: they
     stream its weights under the router's tail and wait only before their first store (buffers of this
     step may reuse memory the router still uses). TABLE: routed slots read their expert and tokens
-    from the step's slot table (expert_slots.build_slot_table, the kernel before this one)."""
+    from the step's slot table (expert_slots.build_slot_table, the kernel before this one).
+
+    ROUTE (one-token steps, moe.routed_moe_experts): the kernel before this one wrote the router's
+    logits (route_ptr, router.router_logits), not ids: every program makes the top-k itself
+    (expert_slots.routed_ids; the shared expert's, which do not wait, make it from logits not yet
+    written and never use it), and program (0, 0, 0) stores the ids and weights (tw_ptr, scaled by
+    ``scaling``) at ids_ptr for the combine."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     NWR: tl.constexpr = NW // KS  # (gate, up) row blocks of the program
     if PDL:
         if SHARED_SLOT:
-            if _shared_pass(shared_slots) < 0:
+            if shared_pass(shared_slots) < 0:
                 gdc_wait()
         else:
             gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
-    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
-                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
-                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
+    ids = None
+    if ROUTE:
+        ids, topk_weights = routed_ids(route_ptr, bias_ptr, scaling, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):  # a routed slot's
+            cols = tl.arange(0, K_POW2)
+            tl.store(ids_ptr + cols, ids, mask=cols < TOPK)
+            tl.store(tw_ptr + cols, topk_weights, mask=cols < TOPK)
+    expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, ids, table_ptr, stride_table, n_tokens,
+                                                               n_pairs, shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
+                                                               SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
@@ -247,9 +156,9 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
         kb_begin = (tl.program_id(2) * KS + k_part) * kb_split
         n_steps = kb_split // DEPTH
         for m0 in range(first_rank, ranks, STEP):
-            go, both, first, tok_x, _, tok_y, _ = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert, compact,
-                                                                NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, TWO_GROUPS,
-                                                                TABLE)
+            go, both, first, tok_x, _, tok_y, _ = token_groups(ids_ptr, ids, row_ptr, m0, g, n_tokens, expert,
+                                                               compact, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY,
+                                                               TWO_GROUPS, TABLE)
             if go:
                 x_rows = h_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_hm  # (no token: any readable row)
                 zero = tl.zeros([DEPTH * NW * 32, 4], dtype=tl.float32)
@@ -275,20 +184,23 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
                 _store_gate_up(fold_warps(fold(gate, NW, SETS), NW, KS), fold_warps(fold(up, NW, SETS), NW, KS), first,
-                               compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
+                               compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                                stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK,
                                K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
                 if both:
                     _store_gate_up(fold_warps(fold(gate2, NW, DEPTH), NW, KS), fold_warps(fold(up2, NW, DEPTH), NW, KS),
-                                   m0 + TOKENS, compact, inter_e, ids_ptr, row_ptr, n_tokens, expert, a_ptr, part_ptr,
-                                   stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit,
-                                   NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
+                                   m0 + TOKENS, compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr,
+                                   part_ptr, stride_am, stride_acol, stride_psplit, stride_pm, stride_pcol, alpha,
+                                   limit, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
         if SPLIT > 1:
             if last_arrival(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
-                for m0 in range(first_rank, tl.where(_shared_pass(shared_slots) >= 0, ranks, n_tokens),
+                for m0 in range(first_rank, tl.where(shared_pass(shared_slots) >= 0, ranks, n_tokens),
                                 TOKENS):  # (routed slots: by token)
                     tok, i_out = _fragment_out(m0, NWR)
-                    col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                    if ids is None:
+                        col = columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY)
+                    else:
+                        col = columns_of_ids(ids, tok, n_tokens, expert, NUM_ROUTED, TOPK)
                     ok = (col >= 0) & (i_out < inter_e)
                     if tl.max(tl.max(col, axis=1), axis=0) >= 0:
                         p_ptrs = part_ptr + tok.to(tl.int64) * stride_pm + tl.maximum(col, 0) * stride_pcol + 2 * i_out
@@ -299,7 +211,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
 
 
 @triton.jit
-def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr,
+def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr, route_ptr, bias_ptr,
                    n_tokens, n_pairs, hidden, inter, inter_shared, stride_table, shared_slots,
                    stride_am, stride_acol, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
                    stride_ysplit, stride_ym, stride_ycol,
@@ -307,16 +219,22 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
-                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2):
+                   PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2,
+                   ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
     for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
-    from the step's slot table (complete before w13's routed programs passed their wait)."""
+    from the step's slot table (complete before w13's routed programs passed their wait). ROUTE: the
+    expert from the router's logits (route_ptr), as w13's; complete before w13's routed programs passed
+    their wait too, so also read before this kernel's."""
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
-    expert, row_ptr, compact, first_rank, ranks = _slot(ids_ptr, table_ptr, stride_table, n_tokens, n_pairs,
-                                                        shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2, SHARED_SLOT,
-                                                        SHARED_ONLY, COMPACT, TABLE, STEP)
+    ids = None
+    if ROUTE:
+        ids, _ = routed_ids(route_ptr, bias_ptr, 1.0, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
+    expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, ids, table_ptr, stride_table, n_tokens,
+                                                               n_pairs, shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
+                                                               SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
     w_base, s_base, row_w, row_s, tile_w, tile_s, inter_e = slot_weights(
         expert, w_ptr, s_ptr, sw_ptr, ss_ptr, inter, inter_shared, stride_we, stride_wb, stride_se, stride_sb,
         stride_swb, stride_ssb, 0, 0, 0, 0, NUM_ROUTED, SHARED_SEPARATE)
@@ -337,9 +255,9 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
         gdc_launch_dependents()
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         for m0 in range(first_rank, ranks, STEP):
-            go, both, first, tok_x, col_x, tok_b, col_b = _token_groups(ids_ptr, row_ptr, m0, g, n_tokens, expert,
-                                                                        compact, NUM_ROUTED, TOPK, K_POW2,
-                                                                        SHARED_ONLY, TWO_GROUPS, TABLE)
+            go, both, first, tok_x, col_x, tok_b, col_b = token_groups(ids_ptr, ids, row_ptr, m0, g, n_tokens,
+                                                                       expert, compact, NUM_ROUTED, TOPK, K_POW2,
+                                                                       SHARED_ONLY, TWO_GROUPS, TABLE)
             if go:
                 # lanes without a token: any readable row
                 x_rows = (a_ptr + tl.maximum(tok_x, 0).to(tl.int64) * stride_am
@@ -353,12 +271,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
-                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, row_ptr, n_tokens, expert, y_ptr,
+                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
-                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, row_ptr, n_tokens, expert,
-                             y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW,
-                             TABLE)
+                    _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, ids, row_ptr, n_tokens,
+                             expert, y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2,
+                             SHARED_ONLY, NW, TABLE)
 
 
 def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
@@ -398,11 +316,13 @@ def _prefetch(t) -> int:
 
 
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
-                       t13, t2, alpha, limit, pdl):
+                       t13, t2, alpha, limit, pdl, route=None):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
-    blocks per load step."""
+    blocks per load step. ``route`` (one-token steps): (fp32 router logits [1, E], fp32 bias [E] or
+    None, the fp32 top-k weights [1, k] to write, scaling): the kernels make the top-k (ROUTE) and w13
+    writes ids and weights; else ids hold the step's choice."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -419,7 +339,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA, TWO_GROUPS=two,
                   COMPACT=compacts())
-    # ``slots`` counts the shared expert once; the grid gives it a slot per pass (_slot).
+    # ``slots`` counts the shared expert once; the grid gives it a slot per pass (program_slot).
     routed = slots - int(shared_slot or shared_only)
     shared_slots = shared_passes(n, two) if shared_slot or shared_only else 0
     slots = routed + shared_slots
@@ -434,10 +354,18 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     if counters is None or part is None:
         split, part, counters = 1, a, ids  # (unused pointers)
     preload = preload_first(n)
-    table_on = slot_table_on(shared_only, n)
+    if route is not None:
+        if n != 1 or shared_only:
+            raise ValueError(f"route: the experts route in-kernel only one-token steps of routed slots, got {n} tokens")
+        logits, bias, tw, scaling = route
+        common.update(ROUTE=True, HAS_BIAS=bias is not None, COMPACT=False)
+        routing = (logits, bias if bias is not None else logits, tw, float(scaling))
+    else:
+        routing = (y, y, y, 1.0)  # (unused fp32 pointers)
+    table_on = slot_table_on(shared_only, n) and route is None
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
     _mma_w13_kernel[(slots, groups, split)](
-        h32, ids, w, s, sw, ss, a, part, counters, table, n, n * top_k, inter, w13.inter_shared, hidden // 64,
+        h32, ids, w, s, sw, ss, a, part, counters, table, *routing, n, n * top_k, inter, w13.inter_shared, hidden // 64,
         table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         sw.stride(1), ss.stride(1), a.stride(0), a.stride(1), part.stride(0), part.stride(1) if split > 1 else 0,
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
@@ -448,7 +376,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
     _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
-        a32, ids, w, s, sw, ss, y, table, n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0), shared_slots,
+        a32, ids, w, s, sw, ss, y, table, *routing[:2], n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0),
+        shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
         NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
@@ -479,7 +408,7 @@ def aot_specs() -> list[KernelSpec]:
     Left out, as compiling no line the kept specs do not on the same target:
     - the table mode (SHARED_SEPARATE only adds selects to the merged mode's code) and the routed
       mode (SHARED_SLOT=False only drops one) but for its slot-table kernels, whose row read
-      (``_slot``) differs; the PDL entry wait without a shared slot is the shared-only mode's too;
+      (``program_slot``) differs; the PDL entry wait without a shared slot is the shared-only mode's too;
     - PTX without PDL (PDL only adds the waits) but in the merged mode and at the small size: the
       vocabulary ops launch them, and the fragment-layout probe of tests/test_kernels_aot.py reads
       exactly these specs;
@@ -491,18 +420,22 @@ def aot_specs() -> list[KernelSpec]:
                   "table_ptr": "*i32", "n_tokens": "i32", "n_pairs": "i32", "inter": "i32", "inter_shared": "i32",
                   "stride_table": "i32", "shared_slots": "i32"}
     strides = {n: "i32" for n in ("stride_we", "stride_wb", "stride_se", "stride_sb", "stride_swb", "stride_ssb")}
-    sig13 = {"h_ptr": "*i32", **common_sig, "a_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
+    routing = {"route_ptr": "*fp32", "bias_ptr": "*fp32"}
+    sig13 = {"h_ptr": "*i32", **common_sig, **routing, "tw_ptr": "*fp32", "scaling": "fp32", "a_ptr": "*bf16",
+             "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
              "stride_pm": "i32", "stride_pcol": "i32", "alpha": "fp32", "limit": "fp32"}
-    sig2 = {"a_ptr": "*i32", **common_sig, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32", "stride_acol": "i32",
+    sig2 = {"a_ptr": "*i32", **common_sig, **routing, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32",
+            "stride_acol": "i32",
             **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32"}
     specs, seen = [], set()
 
-    def launch(fp8, size, mode, ptx, pdl, n_tokens, targets, tables=None, compact=True, w2_targets=None):
+    def launch(fp8, size, mode, ptx, pdl, n_tokens, targets, tables=None, compact=True, w2_targets=None,
+               route=False):
         """Append the w13 / w2 kernels an n_tokens step launches (as the first step size that runs
         these tiles; compact: MINIMAX_OPS_NO_COMPACT unset), each distinct kernel once, for targets
         (w2: w2_targets if given); tables True / False: only if they do / do not read the step's
-        slot table."""
+        slot table; route: the one-token step routed in-kernel (with a bias)."""
         hidden, inter, n_routed, top_k = size
         shared_slot, shared_separate, shared_only = _MODES[mode]
         t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
@@ -517,9 +450,9 @@ def aot_specs() -> list[KernelSpec]:
         common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                   "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
                   "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
-                  "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact}
+                  "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact and not route, "ROUTE": route, "HAS_BIAS": route}
         label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
-                 f"{'' if compact else '_fixed'}{'_two' if two else ''}")
+                 f"{'' if compact else '_fixed'}{'_two' if two else ''}{'_route' if route else ''}")
         tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
         # and unpaired also two grid splits
@@ -561,6 +494,12 @@ def aot_specs() -> list[KernelSpec]:
         for mode in ("merged", "shared", "routed"):  # portable, real size; CUDA: the merged one-token pair
             launch(fp8, real, mode, False, False, n_tokens, () if mode == "merged" and n_tokens == 1 else ("hip",),
                    tables=True if mode == "routed" else None)
+    # The fused layer's one-token steps route in-kernel (moe.routed_moe_experts): its PTX launches, the
+    # portable MXFP4 ones (CUDA and HIP), the portable MXFP8 ones at the small size (HIP).
+    for fp8 in (False, True):
+        launch(fp8, real, "merged", True, True, 1, ("cuda",), route=True)
+    launch(False, real, "merged", False, False, 1, (), route=True)
+    launch(True, small, "table", False, False, 1, ("hip",), route=True)
     # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
     # compiled once per kernel (w13 and w2 both pair the groups), for the PTX decode it runs on.
     launch(True, real, "merged", True, False, 16, ("cuda",), compact=False)

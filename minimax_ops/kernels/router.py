@@ -4,6 +4,11 @@
 the 3 MB gate streams on many SMs, writing fp32 partial logits; the top-k (sum of the partials in a
 fixed order, sigmoid, top-k of score + bias) runs in the last of those programs to finish
 (``splitk.last_arrival``: one launch), or in ``_router_topk_kernel`` (one program per token).
+
+``router_logits`` is the fused layer's one-token form: ``_router_rows_kernel`` gives each program whole
+gate rows (read before its PDL wait) and writes the complete fp32 logits, no partials and no
+arrival counter; the expert kernels then make the top-k themselves from them (``select_topk``, the
+one top-k arithmetic; moe.routed_moe_experts).
 """
 
 from __future__ import annotations
@@ -22,19 +27,16 @@ from .tiles import TOKEN_BLOCK, RouterConfig, block_k_for, num_sms, router_confi
 
 
 @triton.jit
-def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
-              HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-              SPLIT_POW2: tl.constexpr):
-    """Token t: logits = sum of the split partials part[s, t, :] (all loaded at once, fixed tree
-    order); ids = top-k of sigmoid(logit) + bias (descending; ties to the lower id), weights = the
-    chosen sigmoid scores renormalised to sum to `scaling`."""
-    offs_e = tl.arange(0, E_POW2)
-    e_mask = offs_e < n_experts
-    logits = sum_splits(part_ptr + t * n_experts + offs_e, e_mask, n_tokens * n_experts, n_split, SPLIT_POW2)
+def select_topk(logits, bias, e_mask, scaling, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """The router's choice from one token's fp32 logits [E_POW2] (``bias``: the choosing bias there, or
+    None; ``e_mask``: the real experts): (ids int32 [K_POW2], weights fp32 [K_POW2]), ids = top-k of
+    sigmoid(logit) + bias (descending; ties to the lower id), weights = the chosen sigmoid scores
+    renormalised to sum to ``scaling``; entries past TOPK are 0."""
+    offs_e = tl.arange(0, logits.shape[0])
     score = tl.sigmoid(logits)
     choice = score
-    if HAS_BIAS:
-        choice = score + tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    if bias is not None:
+        choice = score + bias
     choice = tl.where(e_mask, choice, float("-inf"))
     cols = tl.arange(0, K_POW2)
     ids = tl.zeros([K_POW2], dtype=tl.int32)
@@ -44,7 +46,23 @@ def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, 
         ids = tl.where(cols == j, best, ids)
         weights = tl.where(cols == j, tl.sum(tl.where(offs_e == best, score, 0.0), axis=0), weights)
         choice = tl.where(offs_e == best, float("-inf"), choice)
-    weights = weights / tl.sum(weights, axis=0) * scaling
+    return ids, weights / tl.sum(weights, axis=0) * scaling
+
+
+@triton.jit
+def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
+              HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
+              SPLIT_POW2: tl.constexpr):
+    """Token t: logits = sum of the split partials part[s, t, :] (all loaded at once, fixed tree
+    order), then select_topk."""
+    offs_e = tl.arange(0, E_POW2)
+    e_mask = offs_e < n_experts
+    logits = sum_splits(part_ptr + t * n_experts + offs_e, e_mask, n_tokens * n_experts, n_split, SPLIT_POW2)
+    bias = None
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
+    ids, weights = select_topk(logits, bias, e_mask, scaling, TOPK, K_POW2)
+    cols = tl.arange(0, K_POW2)
     tl.store(ids_ptr + t * TOPK + cols, ids, mask=cols < TOPK)
     tl.store(weights_ptr + t * TOPK + cols, weights, mask=cols < TOPK)
 
@@ -116,16 +134,59 @@ def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_ex
               HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2)
 
 
+@triton.jit
+def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, stride_hm, stride_ge,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Grid (expert tiles): logits[t, e] = sum over H of h[t] * gate[e] in fp32 for BLOCK_E whole gate
+    rows (BLOCK_H >= H), read before the PDL wait: the gate does not depend on the previous kernel."""
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_H)
+    k_mask = offs_k < hidden
+    rows = tl.minimum(offs_e, n_experts - 1).to(tl.int64)
+    g = tl.load(g_ptr + rows[:, None] * stride_ge + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    for t in range(0, n_tokens):
+        x = tl.load(h_ptr + t * stride_hm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + t * n_experts + offs_e, tl.sum(g * x[None, :], axis=1), mask=offs_e < n_experts)
+
+
+ROWS_BLOCK_E = 1  # gate rows a program of _router_rows_kernel holds (one: 128 programs for the model's experts)
+
+
+def _check_gate(h: torch.Tensor, gate_weight: torch.Tensor) -> None:
+    check_rows("h", h, shape="[n, H]", dim="H")
+    hidden = h.shape[1]
+    if gate_weight.dim() != 2 or gate_weight.dtype != torch.float32 or gate_weight.shape[1] != hidden:
+        raise ValueError(f"gate_weight: expected fp32 [E, {hidden}], got {gate_weight.dtype} "
+                         f"{tuple(gate_weight.shape)}")
+
+
+def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """fp32 logits [n, E] = fp32(h) @ gate^T, each from whole gate rows a program holds (the top-k is the
+    caller's: moe.routed_moe_experts' expert kernels make it, select_topk)."""
+    _check_gate(h, gate_weight)
+    n, hidden = h.shape
+    gate_weight = gate_weight.contiguous()
+    n_experts = gate_weight.shape[0]
+    logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
+    if n == 0:
+        return logits
+    pdl = pdl and pdl_supported(h.device)
+    _router_rows_kernel[(triton.cdiv(n_experts, ROWS_BLOCK_E),)](
+        h, gate_weight, logits, n, n_experts, hidden, h.stride(0), gate_weight.stride(0), BLOCK_E=ROWS_BLOCK_E,
+        BLOCK_H=triton.next_power_of_2(hidden), PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return logits
+
+
 def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
           scaling: float, *, config: RouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits = fp32(h) @ gate^T; s = sigmoid; ids = top-k of s + bias (descending); weights =
     s[ids] / sum(s[ids]) * scaling. Returns (weights fp32 [n, k], ids int32 [n, k]).
     ``config`` overrides ``router_config`` (tuning, tests)."""
-    check_rows("h", h, shape="[n, H]", dim="H")
+    _check_gate(h, gate_weight)
     n, hidden = h.shape
-    if gate_weight.dim() != 2 or gate_weight.dtype != torch.float32 or gate_weight.shape[1] != hidden:
-        raise ValueError(f"gate_weight: expected fp32 [E, {hidden}], got {gate_weight.dtype} "
-                         f"{tuple(gate_weight.shape)}")
     gate_weight = gate_weight.contiguous()
     n_experts = gate_weight.shape[0]
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_experts,)):
@@ -210,6 +271,13 @@ def aot_specs() -> list[KernelSpec]:
          "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
          "PDL": False}, num_warps=cfg.num_warps, targets=("cuda",),
         name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
+    for pdl, targets in ((False, ()), (True, ("cuda",))):  # the fused layer's one-token logits
+        specs.append(KernelSpec(
+            _router_rows_kernel,
+            {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32"},
+            {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl}, targets=targets,
+            name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_pdl' if pdl else ''}"))
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
     return list(unique.values())

@@ -1,0 +1,118 @@
+"""One-token steps routed inside the expert kernels (kernels/moe.py ``routed_moe_experts``): the router
+writes only its logits (router.router_logits) and the mma-layout expert kernels make its top-k themselves.
+
+On CPU the kernels run under the Triton interpreter (the portable emulation of the mma product), on CUDA
+through the PTX. Compared with the fp32 reference (ref.route then ref.moe_experts on the canonical
+tables) and with the two launches the step makes otherwise (router.route, then moe_experts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minimax_ops import reference as ref
+from minimax_ops.formats import quantize, to_mma_layout
+from minimax_ops.kernels import router
+from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_kernel
+from utils import rel_err
+
+H, I, E, K = 256, 128, 8, 2
+SCALING = 2.0
+SIZES = {"mxfp4": (H, I), "mxfp8": (128, 64)}  # (MXFP8 smaller: the interpreter's emulation is slow)
+
+
+def _tables(device, fmt, shared, hidden=H, inter=I):
+    mx = lambda *shape: quantize(torch.randn(*shape) * 0.5, fmt)  # noqa: E731
+    pairs = [mx(E + (shared == "table"), 2 * inter, hidden), mx(E + (shared == "table"), hidden, inter)]
+    if shared == "separate":
+        pairs += [mx(2 * inter, hidden), mx(hidden, inter)]
+    canonical = [t.to(device) for pair in pairs for t in pair]
+    mma = [t.to(device) for pair in pairs for t in to_mma_layout(*pair)]
+    pad = [None] * (8 - len(canonical))
+    return canonical + pad, mma + pad
+
+
+def _gate(device, bias, hidden=H):
+    gate = (torch.randn(E, hidden) * 0.05).to(device)
+    return gate, (torch.randn(E) * 0.5).to(device) if bias else None
+
+
+def test_router_logits_are_the_fp32_products(device):
+    torch.manual_seed(0)
+    h = torch.randn(3, H, device=device).bfloat16()
+    gate = torch.randn(E + 3, H, device=device)
+    got = router.router_logits(h, gate)
+    want = h.double() @ gate.double().T
+    assert got.shape == (3, E + 3) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("fmt, shared, bias, trials", [("mxfp4", "separate", True, 2), ("mxfp4", "table", False, 1),
+                                                       ("mxfp8", "separate", True, 1)])
+def test_one_token_routed_in_the_experts_matches_the_reference(fmt, shared, bias, trials, device, monkeypatch):
+    """The in-kernel top-k chooses the experts router.route chooses and weighs them the same: the output
+    is the reference's within the MX tolerance and the two-launch path's within fp32 reassociation; no
+    top-k launch runs (router.route is not called)."""
+    torch.manual_seed(11)
+    hidden, inter = SIZES[fmt]
+    canonical, mma = _tables(device, fmt, shared, hidden, inter)
+    for trial in range(trials):
+        h = torch.randn(1, hidden, device=device).bfloat16()
+        gate, gate_bias = _gate(device, bias, hidden)
+        weights, ids = ref.route(h, gate, gate_bias, K, SCALING)
+        want = ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)
+        two_launches = moe_experts(h, *reversed(router.route(h, gate, gate_bias, K, SCALING)), *mma,
+                                   num_routed_experts=E)
+        assert routes_in_kernel(1, mma[0], mma[1])
+        with monkeypatch.context() as m:
+            m.setattr(router, "route", lambda *a, **k: pytest.fail("router.route called on the in-kernel path"))
+            out = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
+        assert out.shape == (1, hidden) and torch.isfinite(out).all()
+        assert rel_err(out, want) < 1.5e-2, trial
+        assert rel_err(out, two_launches) < 2e-3, trial
+        assert torch.equal(out, routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E))
+
+
+def test_the_bias_chooses_and_the_scores_weigh(device):
+    """A bias that puts two experts first must choose them whatever the scores say; their weights are
+    their sigmoid scores renormalised (compared with the reference fed those ids)."""
+    torch.manual_seed(3)
+    canonical, mma = _tables(device, "mxfp4", "separate")
+    h = torch.randn(1, H, device=device).bfloat16()
+    gate, _ = _gate(device, False)
+    gate_bias = torch.zeros(E, device=device)
+    gate_bias[[5, 2]] = 10.0
+    scores = torch.sigmoid(h.float() @ gate.T)[0]
+    ids = torch.tensor([[5, 2]], dtype=torch.int32, device=device)
+    weights = scores[[5, 2]] / scores[[5, 2]].sum() * SCALING
+    want = ref.moe_experts(h, ids, weights[None], *canonical, num_routed_experts=E)
+    out = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
+    assert rel_err(out, want) < 1.5e-2
+
+
+def test_other_steps_and_layouts_take_the_two_launches(device, monkeypatch):
+    """Steps of more than one token, tables outside the mma layouts and MINIMAX_OPS_NO_ROUTE_IN_EXPERTS=1
+    route with router.route; a launch asked to route in-kernel for them is refused by name."""
+    torch.manual_seed(5)
+    canonical, mma = _tables(device, "mxfp4", "separate")
+    assert not routes_in_kernel(2, mma[0], mma[1])
+    assert not routes_in_kernel(1, canonical[0], canonical[1])
+    monkeypatch.setenv("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS", "1")
+    assert not routes_in_kernel(1, mma[0], mma[1])
+    monkeypatch.delenv("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS")
+    h = torch.randn(2, H, device=device).bfloat16()
+    gate, gate_bias = _gate(device, True)
+    logits = router.router_logits(h, gate)
+    ids = torch.empty(2, K, dtype=torch.int32, device=device)
+    weights = torch.empty(2, K, device=device)
+    with pytest.raises(ValueError, match="route: .* only one-token steps"):
+        moe_experts(h, ids, weights, *mma, num_routed_experts=E, route=(logits, gate_bias, SCALING))
+    with pytest.raises(ValueError, match="route: .* only in the mma layouts"):
+        moe_experts(h[:1], ids[:1], weights[:1], *canonical, num_routed_experts=E,
+                    route=(logits[:1], gate_bias, SCALING))
+    two = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
+    w, i = ref.route(h, gate, gate_bias, K, SCALING)
+    assert rel_err(two, ref.moe_experts(h, i, w, *canonical, num_routed_experts=E)) < 1.5e-2
+    with pytest.raises(ValueError, match="gate: expected 8 rows"):
+        routed_moe_experts(h[:1], gate[:4], None, K, SCALING, *mma, num_routed_experts=E)
