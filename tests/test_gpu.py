@@ -50,7 +50,7 @@ CASES = [  # (config name, layer, linear fmt, expert fmt, shared, kv dtype, inde
 LAYOUTS = {"canonical": lambda w: w, "kernel": to_kernel_layout, "tiled": lambda w: to_kernel_layout(w, tiled=True)}
 
 
-def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, contexts, query_len, seed):
+def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, contexts, query_len, seed, pad_requests=1):
     """w: canonical weights (the reference's); the layer holds them in ``layout`` (LAYOUTS)."""
     cfg = preset("tiny") if name == "tiny" else _real_small_layers()
     g = torch.Generator().manual_seed(seed)
@@ -59,7 +59,7 @@ def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, con
     bs = cfg.sparse_block_size
     blocks = sum(-(-(c + query_len) // bs) for c in contexts) + 4
     caches = allocate_caches(cfg, blocks, kv_dtype=kv_dtype, index_dtype=index_dtype, device="cuda", generator=g)
-    meta = build_step(contexts, query_len, block_size=bs, num_blocks=blocks, pad_requests=1, device="cuda",
+    meta = build_step(contexts, query_len, block_size=bs, num_blocks=blocks, pad_requests=pad_requests, device="cuda",
                       generator=g, table_width=blocks)
     n = meta.num_tokens
     x = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
@@ -217,6 +217,38 @@ def test_compiled_model_with_pass_full_cuda_graph(name, layout):
         block_ids = request_block_ids(new, bs)
         ctx = [c + 1 for c in ctx]
     assert fused_ops.impl_calls == calls, "the fused op's Python ran during replay"
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
+def test_one_token_routed_in_the_experts(experts, monkeypatch):
+    """A one-token step with MINIMAX_OPS_ROUTE_IN_EXPERTS=1 (the router writes logits, the expert kernels
+    make the top-k): the fused layer matches the reference and the default path, writes the same caches, and
+    its captured graph replays to the same bits."""
+    cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
+                                                    contexts=[33000], query_len=1, seed=9, pad_requests=0)
+    assert meta.num_tokens == 1
+    want, _ = layer_forward(x, res, w, cache.clone(), meta, cfg)
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", on)
+        written = cache.clone()
+        runs.append((*layer.fused_forward(x, res, meta.positions, written, meta), written))
+        torch.cuda.synchronize()
+    (out0, res0, cache0), (out1, res1, cache1) = runs
+    assert rel(out1, want) < 2e-2 and rel(out1, out0) < 1e-2
+    assert same_bytes(res0, res1) and same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
+    graph = torch.cuda.CUDAGraph()
+    layer.fused_forward(x, res, meta.positions, cache.clone(), meta)
+    with torch.cuda.graph(graph):
+        out, _ = layer.fused_forward(x, res, meta.positions, cache1, meta)
+    graph.replay()
+    first = out.clone()
+    mismatches = 0
+    for _ in range(100):
+        graph.replay()
+        mismatches += int(not torch.equal(out, first))
+    torch.cuda.synchronize()
+    assert mismatches == 0 and rel(first, want) < 2e-2
 
 
 def test_thousand_replays_are_bit_identical():

@@ -18,6 +18,14 @@ from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_k
 from utils import rel_err
 
 H, I, E, K = 256, 128, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def route_in_experts(monkeypatch):
+    """The path is opt-in (MINIMAX_OPS_ROUTE_IN_EXPERTS=1) until a GPU run keeps it on."""
+    monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "1")
+
+
 SCALING = 2.0
 SIZES = {"mxfp4": (H, I), "mxfp8": (128, 64)}  # (MXFP8 smaller: the interpreter's emulation is slow)
 
@@ -92,15 +100,16 @@ def test_the_bias_chooses_and_the_scores_weigh(device):
 
 
 def test_other_steps_and_layouts_take_the_two_launches(device, monkeypatch):
-    """Steps of more than one token, tables outside the mma layouts and MINIMAX_OPS_NO_ROUTE_IN_EXPERTS=1
-    route with router.route; a launch asked to route in-kernel for them is refused by name."""
+    """Steps of more than one token, tables outside the mma layouts
+    route with router.route (as does every step without MINIMAX_OPS_ROUTE_IN_EXPERTS=1); a launch asked to
+    route in-kernel for them is refused by name."""
     torch.manual_seed(5)
     canonical, mma = _tables(device, "mxfp4", "separate")
     assert not routes_in_kernel(2, mma[0], mma[1])
     assert not routes_in_kernel(1, canonical[0], canonical[1])
-    monkeypatch.setenv("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS", "1")
+    monkeypatch.delenv("MINIMAX_OPS_ROUTE_IN_EXPERTS")
     assert not routes_in_kernel(1, mma[0], mma[1])
-    monkeypatch.delenv("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS")
+    monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "1")
     h = torch.randn(2, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
     logits = router.router_logits(h, gate)

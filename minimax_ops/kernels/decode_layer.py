@@ -15,7 +15,7 @@ offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weight
 place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
 memory), and in place of the route + moe_experts pair ``routed_moe_experts`` (kernels/moe.py: one-token
-steps on mma-layout tables make the router's top-k inside the expert kernels); the chain takes each
+steps on mma-layout tables make the router's top-k inside the expert kernels, opt-in); the chain takes each
 when offered. Inputs were checked by the fused op before the first launch.
 """
 

@@ -418,9 +418,10 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
     """Whether routed_moe_experts makes a step's top-k inside the expert kernels: one-token steps on
-    expert tables in an mma layout (their kernels take the choice from registers), unless
-    MINIMAX_OPS_NO_ROUTE_IN_EXPERTS=1 (read at every call: A/B runs switch it between rounds)."""
-    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_NO_ROUTE_IN_EXPERTS") == "1":
+    expert tables in an mma layout (their kernels take the choice from registers), with
+    MINIMAX_OPS_ROUTE_IN_EXPERTS=1 (read at every call: A/B runs switch it between rounds). Off by
+    default until a GPU run has checked and timed it (BENCHMARKS.md, twenty-ninth session)."""
+    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") != "1":
         return False
     return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
 
