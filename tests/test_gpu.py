@@ -92,19 +92,25 @@ def test_layer_matches_reference(case, query_len):
             assert same_bytes(got.index, ref_cache.index) or rel(got.index, ref_cache.index) < 1e-2
 
 
+def _fused_under_switch(monkeypatch, switch, layer, cache, meta, x, res):
+    """(out, residual, caches written) of the fused layer with environment switch ``switch`` at "0", then "1"."""
+    runs = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(switch, value)
+        written = cache.clone()
+        runs.append((*layer.fused_forward(x, res, meta.positions, written, meta), written))
+        torch.cuda.synchronize()
+    return runs
+
+
 def test_score_pass_reading_its_first_keys_after_the_wait_changes_nothing(monkeypatch):
     """The indexer's score pass reads its first block's keys before its PDL wait (default) or after it
     (MINIMAX_OPS_NO_SCORE_EARLY=1, read at every call): the fused layer's output, residual and caches are the
     same bytes either way (the same products, loaded at another time)."""
     *_, layer, cache, meta, x, res, _, _ = _setup("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "kernel",
                                                   contexts=[4000, 33000, 700], query_len=1, seed=5)
-    runs = []
-    for late in ("0", "1"):
-        monkeypatch.setenv("MINIMAX_OPS_NO_SCORE_EARLY", late)
-        written = cache.clone()
-        runs.append((*layer.fused_forward(x, res, meta.positions, written, meta), written))
-        torch.cuda.synchronize()
-    (out0, res0, cache0), (out1, res1, cache1) = runs
+    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_NO_SCORE_EARLY",
+                                                                     layer, cache, meta, x, res)
     assert torch.isfinite(out0[:-1].float()).all()
     assert same_bytes(out0, out1) and same_bytes(res0, res1)
     assert same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
@@ -228,13 +234,8 @@ def test_one_token_routed_in_the_experts(experts, monkeypatch):
                                                     contexts=[33000], query_len=1, seed=9, pad_requests=0)
     assert meta.num_tokens == 1
     want, _ = layer_forward(x, res, w, cache.clone(), meta, cfg)
-    runs = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", on)
-        written = cache.clone()
-        runs.append((*layer.fused_forward(x, res, meta.positions, written, meta), written))
-        torch.cuda.synchronize()
-    (out0, res0, cache0), (out1, res1, cache1) = runs
+    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_ROUTE_IN_EXPERTS",
+                                                                     layer, cache, meta, x, res)
     assert rel(out1, want) < 2e-2 and rel(out1, out0) < 1e-2
     assert same_bytes(res0, res1) and same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
     graph = torch.cuda.CUDAGraph()

@@ -441,13 +441,9 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
         weights, ids = router.route(h, gate, gate_bias, top_k, scaling, pdl=pdl)
         return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
                            shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl)
+    router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
-    if gate_bias is not None and (gate_bias.dtype != torch.float32 or tuple(gate_bias.shape) != (gate.shape[0],)):
-        raise ValueError(f"gate_bias: expected fp32 [{gate.shape[0]}] or None, got {gate_bias.dtype} "
-                         f"{tuple(gate_bias.shape)}")
-    if not 1 <= top_k <= num_routed_experts:
-        raise ValueError(f"top_k: expected 1..{num_routed_experts}, got {top_k}")
     logits = router.router_logits(h, gate, pdl=pdl)
     ids = torch.empty(1, top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(1, top_k, dtype=torch.float32, device=h.device)

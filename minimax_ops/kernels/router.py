@@ -155,18 +155,25 @@ def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, s
 ROWS_BLOCK_E = 1  # gate rows a program of _router_rows_kernel holds (one: 128 programs for the model's experts)
 
 
-def _check_gate(h: torch.Tensor, gate_weight: torch.Tensor) -> None:
+def check_gate(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None = None,
+               top_k: int | None = None) -> None:
+    """h bf16 [n, H], gate fp32 [E, H]; with them, bias fp32 [E] or None and 1 <= top_k <= E."""
     check_rows("h", h, shape="[n, H]", dim="H")
     hidden = h.shape[1]
     if gate_weight.dim() != 2 or gate_weight.dtype != torch.float32 or gate_weight.shape[1] != hidden:
         raise ValueError(f"gate_weight: expected fp32 [E, {hidden}], got {gate_weight.dtype} "
                          f"{tuple(gate_weight.shape)}")
+    n_experts = gate_weight.shape[0]
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_experts,)):
+        raise ValueError(f"bias: expected fp32 [{n_experts}] or None, got {bias.dtype} {tuple(bias.shape)}")
+    if top_k is not None and not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k: expected 1..{n_experts}, got {top_k}")
 
 
 def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """fp32 logits [n, E] = fp32(h) @ gate^T, each from whole gate rows a program holds (the top-k is the
     caller's: moe.routed_moe_experts' expert kernels make it, select_topk)."""
-    _check_gate(h, gate_weight)
+    check_gate(h, gate_weight)
     n, hidden = h.shape
     gate_weight = gate_weight.contiguous()
     n_experts = gate_weight.shape[0]
@@ -185,14 +192,10 @@ def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
     """logits = fp32(h) @ gate^T; s = sigmoid; ids = top-k of s + bias (descending); weights =
     s[ids] / sum(s[ids]) * scaling. Returns (weights fp32 [n, k], ids int32 [n, k]).
     ``config`` overrides ``router_config`` (tuning, tests)."""
-    _check_gate(h, gate_weight)
+    check_gate(h, gate_weight, bias, top_k)
     n, hidden = h.shape
     gate_weight = gate_weight.contiguous()
     n_experts = gate_weight.shape[0]
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n_experts,)):
-        raise ValueError(f"bias: expected fp32 [{n_experts}] or None, got {bias.dtype} {tuple(bias.shape)}")
-    if not 1 <= top_k <= n_experts:
-        raise ValueError(f"top_k: expected 1..{n_experts}, got {top_k}")
     if hidden % 32:
         raise ValueError(f"h: hidden size must be a multiple of 32, got {hidden}")
     pdl = pdl and pdl_supported(h.device)
