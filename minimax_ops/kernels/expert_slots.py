@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .aot import KernelSpec
-from .router import select_topk
+from .router import topk_rows, topk_weights
 
 PAIR_BLOCK = tl.constexpr(16)  # top-k ids compared per step when finding a slot's expert (E x 16 compares: few registers)
 TOKEN_CHUNK = tl.constexpr(16)  # tokens whose top-k ids are compared per step when compacting an expert's tokens
@@ -118,28 +118,38 @@ def columns_of(ids_ptr, tok, n_tokens, expert, NUM_ROUTED: tl.constexpr, TOPK: t
 
 
 @triton.jit
-def routed_ids(logits_ptr, bias_ptr, scaling, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr,
-               K_POW2: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A one-token step's (ids int32 [K_POW2], weights fp32 [K_POW2]) from its fp32 router logits
-    [NUM_ROUTED] (router.router_logits): router.route's choice, as router.select_topk makes it."""
-    offs_e = tl.arange(0, E_POW2)
+def routed_ids(logits_ptr, bias_ptr, NW: tl.constexpr, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr,
+               TOPK: tl.constexpr, K_POW2: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A one-token step's top-k ids from its fp32 router logits [NUM_ROUTED] (router.router_logits),
+    as router.route chooses them (router.topk_rows): (ids int32 [K_POW2], and for routed_weights the
+    ids and scores as rows). NW is the program's warp count: the logits are loaded as NW equal rows,
+    which Triton lays one a warp (contiguous along the experts), so every arg-max round reduces
+    inside a warp and only the final ids cross warps (the rounds over one row of 128 spread over the
+    warps took ~20 block barriers)."""
+    offs_e = tl.arange(0, E_POW2)[None, :] + tl.zeros([NW, 1], dtype=tl.int32)
     e_mask = offs_e < NUM_ROUTED
     bias = None
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
     logits = tl.load(logits_ptr + offs_e, mask=e_mask, other=0.0)
-    return select_topk(logits, bias, e_mask, scaling, TOPK, K_POW2)
+    id_rows, score_rows = topk_rows(logits, bias, e_mask, TOPK, K_POW2)
+    return tl.max(id_rows, axis=0), id_rows, score_rows
+
+
+@triton.jit
+def routed_weights(id_rows, score_rows, scaling, TOPK: tl.constexpr):
+    """The weights of routed_ids' choice (fp32 [K_POW2], summing to ``scaling``), as router.route's."""
+    return tl.max(topk_weights(id_rows, score_rows, scaling, TOPK), axis=0)
 
 
 @triton.jit
 def slot_expert_of(ids, slot, TOPK: tl.constexpr):
-    """slot_expert for one token's distinct ids in registers (routed_ids): the slot-th smallest, -1
-    past the last."""
+    """The expert of a one-token step's slot ``slot`` from its ids in registers (routed_ids): the
+    top-k column's (slot s streams ids[s]; w13 and w2 make the same ids, and their passes meet at
+    the column), -1 past the last. The memory path's slots take the distinct experts in id order
+    (slot_expert); this order needs no sort."""
     k = tl.arange(0, ids.shape[0])
-    valid = k < TOPK
-    v = tl.where(valid, ids, 2147483647)
-    rank = tl.sum((v[None, :] < v[:, None]).to(tl.int32), axis=1)
-    return tl.max(tl.where(valid & (rank == slot), ids, -1), axis=0)
+    return tl.max(tl.where((k == slot) & (k < TOPK), ids, -1), axis=0)
 
 
 @triton.jit

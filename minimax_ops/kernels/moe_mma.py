@@ -41,7 +41,8 @@ import triton.language as tl
 from ..formats import FMT_MXFP8_MMA
 from .aot import KernelSpec
 from .expert_passes import program_slot, shared_pass, shared_passes, token_groups, pass_tokens
-from .expert_slots import build_slot_table, columns_of, columns_of_ids, routed_ids, slot_weights, swiglu_oai
+from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_ids, routed_weights, slot_weights,
+                           swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
@@ -133,11 +134,11 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     stride_hm = tl.multiple_of(stride_hm, 16)
     ids = None
     if ROUTE:
-        ids, topk_weights = routed_ids(route_ptr, bias_ptr, scaling, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
+        ids, id_rows, score_rows = routed_ids(route_ptr, bias_ptr, NW, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):  # a routed slot's
             cols = tl.arange(0, K_POW2)
             tl.store(ids_ptr + cols, ids, mask=cols < TOPK)
-            tl.store(tw_ptr + cols, topk_weights, mask=cols < TOPK)
+            tl.store(tw_ptr + cols, routed_weights(id_rows, score_rows, scaling, TOPK), mask=cols < TOPK)
     expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, ids, table_ptr, stride_table, n_tokens,
                                                                n_pairs, shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
                                                                SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
@@ -231,7 +232,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     ids = None
     if ROUTE:
-        ids, _ = routed_ids(route_ptr, bias_ptr, 1.0, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
+        ids, _, _ = routed_ids(route_ptr, bias_ptr, NW, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
     expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, ids, table_ptr, stride_table, n_tokens,
                                                                n_pairs, shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
                                                                SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)

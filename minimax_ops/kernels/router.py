@@ -7,7 +7,7 @@ fixed order, sigmoid, top-k of score + bias) runs in the last of those programs 
 
 ``router_logits`` is the fused layer's one-token form: ``_router_rows_kernel`` gives each program whole
 gate rows (read before its PDL wait) and writes the complete fp32 logits, no partials and no
-arrival counter; the expert kernels then make the top-k themselves from them (``select_topk``, the
+arrival counter; the expert kernels then make the top-k themselves from them (``topk_rows``, the
 one top-k arithmetic; moe.routed_moe_experts).
 """
 
@@ -27,26 +27,45 @@ from .tiles import TOKEN_BLOCK, RouterConfig, block_k_for, num_sms, router_confi
 
 
 @triton.jit
-def select_topk(logits, bias, e_mask, scaling, TOPK: tl.constexpr, K_POW2: tl.constexpr):
-    """The router's choice from one token's fp32 logits [E_POW2] (``bias``: the choosing bias there, or
-    None; ``e_mask``: the real experts): (ids int32 [K_POW2], weights fp32 [K_POW2]), ids = top-k of
-    sigmoid(logit) + bias (descending; ties to the lower id), weights = the chosen sigmoid scores
-    renormalised to sum to ``scaling``; entries past TOPK are 0."""
-    offs_e = tl.arange(0, logits.shape[0])
+def topk_rows(logits, bias, e_mask, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """The router's choice from fp32 logits [R, E_POW2], one token's a row (``bias``: the choosing bias
+    there, or None; ``e_mask``: the real experts): (ids int32 [R, K_POW2], scores fp32 [R, E_POW2]),
+    ids = top-k of sigmoid(logit) + bias (descending; ties to the lower id; 0 past TOPK), scores =
+    sigmoid(logit). Every reduction is along a row: rows laid one a warp (expert_slots.routed_ids)
+    reduce without block barriers."""
+    offs_e = tl.arange(0, logits.shape[1])[None, :]
     score = tl.sigmoid(logits)
     choice = score
     if bias is not None:
         choice = score + bias
     choice = tl.where(e_mask, choice, float("-inf"))
-    cols = tl.arange(0, K_POW2)
-    ids = tl.zeros([K_POW2], dtype=tl.int32)
-    weights = tl.zeros([K_POW2], dtype=tl.float32)
+    cols = tl.arange(0, K_POW2)[None, :]
+    ids = tl.zeros([logits.shape[0], K_POW2], dtype=tl.int32)
     for j in tl.static_range(TOPK):
-        best = tl.argmax(choice, axis=0)
+        best = tl.argmax(choice, axis=1)[:, None]
         ids = tl.where(cols == j, best, ids)
-        weights = tl.where(cols == j, tl.sum(tl.where(offs_e == best, score, 0.0), axis=0), weights)
         choice = tl.where(offs_e == best, float("-inf"), choice)
-    return ids, weights / tl.sum(weights, axis=0) * scaling
+    return ids, score
+
+
+@triton.jit
+def topk_weights(ids, score, scaling, TOPK: tl.constexpr):
+    """The weights of topk_rows' choice: the chosen scores renormalised to sum to ``scaling``
+    (fp32 [R, K_POW2], 0 past TOPK)."""
+    offs_e = tl.arange(0, score.shape[1])[None, :]
+    cols = tl.arange(0, ids.shape[1])[None, :]
+    weights = tl.zeros(ids.shape, dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        chosen = tl.max(tl.where(cols == j, ids, -1), axis=1)[:, None]
+        weights = tl.where(cols == j, tl.sum(tl.where(offs_e == chosen, score, 0.0), axis=1)[:, None], weights)
+    return weights / tl.sum(weights, axis=1)[:, None] * scaling
+
+
+@triton.jit
+def select_topk(logits, bias, e_mask, scaling, TOPK: tl.constexpr, K_POW2: tl.constexpr):
+    """topk_rows then topk_weights: (ids int32 [R, K_POW2], weights fp32 [R, K_POW2])."""
+    ids, score = topk_rows(logits, bias, e_mask, TOPK, K_POW2)
+    return ids, topk_weights(ids, score, scaling, TOPK)
 
 
 @triton.jit
@@ -55,14 +74,14 @@ def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, 
               SPLIT_POW2: tl.constexpr):
     """Token t: logits = sum of the split partials part[s, t, :] (all loaded at once, fixed tree
     order), then select_topk."""
-    offs_e = tl.arange(0, E_POW2)
+    offs_e = tl.arange(0, E_POW2)[None, :]
     e_mask = offs_e < n_experts
     logits = sum_splits(part_ptr + t * n_experts + offs_e, e_mask, n_tokens * n_experts, n_split, SPLIT_POW2)
     bias = None
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
     ids, weights = select_topk(logits, bias, e_mask, scaling, TOPK, K_POW2)
-    cols = tl.arange(0, K_POW2)
+    cols = tl.arange(0, K_POW2)[None, :]
     tl.store(ids_ptr + t * TOPK + cols, ids, mask=cols < TOPK)
     tl.store(weights_ptr + t * TOPK + cols, weights, mask=cols < TOPK)
 
