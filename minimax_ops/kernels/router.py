@@ -71,19 +71,24 @@ def select_topk(logits, bias, e_mask, scaling, TOPK: tl.constexpr, K_POW2: tl.co
 @triton.jit
 def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
               HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-              SPLIT_POW2: tl.constexpr):
+              SPLIT_POW2: tl.constexpr, NW: tl.constexpr):
     """Token t: logits = sum of the split partials part[s, t, :] (all loaded at once, fixed tree
-    order), then select_topk."""
-    offs_e = tl.arange(0, E_POW2)[None, :]
+    order), then select_topk on NW equal rows of them (NW: the program's warps, a row each, so the
+    arg-max rounds reduce inside warps; the partials are read once, then spread)."""
+    offs_e = tl.arange(0, E_POW2)
     e_mask = offs_e < n_experts
     logits = sum_splits(part_ptr + t * n_experts + offs_e, e_mask, n_tokens * n_experts, n_split, SPLIT_POW2)
+    rows = tl.zeros([NW, 1], dtype=tl.int32)
+    offs_r = offs_e[None, :] + rows
+    mask_r = offs_r < n_experts
     bias = None
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0)
-    ids, weights = select_topk(logits, bias, e_mask, scaling, TOPK, K_POW2)
+        bias = tl.load(bias_ptr + offs_r, mask=mask_r, other=0.0)
+    ids, weights = select_topk(logits[None, :] + rows.to(tl.float32), bias, mask_r, scaling, TOPK, K_POW2)
     cols = tl.arange(0, K_POW2)[None, :]
-    tl.store(ids_ptr + t * TOPK + cols, ids, mask=cols < TOPK)
-    tl.store(weights_ptr + t * TOPK + cols, weights, mask=cols < TOPK)
+    first = (tl.arange(0, NW)[:, None] == 0) & (cols < TOPK)
+    tl.store(ids_ptr + t * TOPK + cols + rows, ids, mask=first)
+    tl.store(weights_ptr + t * TOPK + cols + rows, weights, mask=first)
 
 
 @triton.jit
@@ -92,7 +97,7 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                           LOGITS: tl.constexpr, FUSED_TOPK: tl.constexpr, HAS_BIAS: tl.constexpr,
                           E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, SPLIT_POW2: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, NW: tl.constexpr):
     """Grid (expert tiles, H splits): part[split, t, e] = sum over the split's H of h[t] * gate[e] in
     fp32 (LOGITS 0: tl.dot, ieee fp32 FMAs; 1: tl.dot in 3xTF32 on tensor cores, fp32-accurate;
     2: one token at a time, multiply and row sums, gate tile loaded once); with FUSED_TOPK the last
@@ -141,16 +146,16 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
         if last_arrival(cnt_ptr, tl.num_programs(0) * tl.num_programs(1)):
             for t in range(0, n_tokens):
                 _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, n_split, scaling,
-                          HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2)
+                          HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2, NW)
 
 
 @triton.jit
 def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_experts, n_split, scaling,
                         HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-                        SPLIT_POW2: tl.constexpr):
+                        SPLIT_POW2: tl.constexpr, NW: tl.constexpr):
     """One program per token: the top-k of _router_logits_kernel's partials (unfused mode)."""
     _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0), n_tokens, n_experts, n_split, scaling,
-              HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2)
+              HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2, NW)
 
 
 @triton.jit
@@ -172,6 +177,7 @@ def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, s
 
 
 ROWS_BLOCK_E = 1  # gate rows a program of _router_rows_kernel holds (one: 128 programs for the model's experts)
+TOPK_WARPS = 4  # warps of _router_topk_kernel (its NW: a row of the token's logits each)
 
 
 def check_gate(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -239,10 +245,10 @@ def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
         h, gate_weight, part, counters if counters is not None else part, bias_arg, weights, ids,
         n, n_experts, iters // split, split, h.stride(0), gate_weight.stride(0), float(scaling),
         BLOCK_T=TOKEN_BLOCK, BLOCK_E=cfg.block_e, BLOCK_H=block_h, LOGITS=logits, FUSED_TOPK=counters is not None,
-        PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl, **meta)
+        PDL=pdl, NW=cfg.num_warps, num_warps=cfg.num_warps, launch_pdl=pdl, **meta)
     if counters is None:
-        _router_topk_kernel[(n,)](part, bias_arg, weights, ids, n, n_experts, split, float(scaling), num_warps=4,
-                                  **meta)
+        _router_topk_kernel[(n,)](part, bias_arg, weights, ids, n, n_experts, split, float(scaling),
+                                  NW=TOPK_WARPS, num_warps=TOPK_WARPS, **meta)
     return weights, ids
 
 
@@ -277,13 +283,13 @@ def aot_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(
                 _router_logits_kernel, logits_sig,
                 dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
-                     FUSED_TOPK=fuse, PDL=pdl), num_warps=cfg.num_warps, targets=targets,
+                     FUSED_TOPK=fuse, PDL=pdl, NW=cfg.num_warps), num_warps=cfg.num_warps, targets=targets,
                 name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
         specs.append(KernelSpec(
             _router_topk_kernel,
             {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
              "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
-            meta, name=f"router_topk_{tag}"))
+            dict(meta, NW=TOPK_WARPS), num_warps=TOPK_WARPS, name=f"router_topk_{tag}"))
     cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
     block_h = block_k_for(hidden, cfg.block_h)
     specs.append(KernelSpec(
@@ -291,7 +297,7 @@ def aot_specs() -> list[KernelSpec]:
         {"HAS_BIAS": True, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
          "K_POW2": triton.next_power_of_2(top_k), "SPLIT_POW2": triton.next_power_of_2(cfg.split),
          "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
-         "PDL": False}, num_warps=cfg.num_warps, targets=("cuda",),
+         "PDL": False, "NW": cfg.num_warps}, num_warps=cfg.num_warps, targets=("cuda",),
         name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
     for pdl, targets in ((False, ()), (True, ("cuda",))):  # the fused layer's one-token logits
         specs.append(KernelSpec(
