@@ -426,17 +426,26 @@ def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor |
     return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
 
 
+def router_beside_norm() -> bool:
+    """Whether a step routed in-kernel runs its router beside the post-attention norm (router.router_logits'
+    ``beside_norm``): MINIMAX_OPS_ROUTER_BESIDE_NORM=1, read at every call. Off by default until a GPU run has
+    timed it (BENCHMARKS.md, thirtieth session)."""
+    return os.environ.get("MINIMAX_OPS_ROUTER_BESIDE_NORM") == "1"
+
+
 def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
                        scaling: float, w13: torch.Tensor, w13_scale: torch.Tensor | None, w2: torch.Tensor,
                        w2_scale: torch.Tensor | None, shared_w13: torch.Tensor | None = None,
                        shared_w13_scale: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                        shared_w2_scale: torch.Tensor | None = None, *, num_routed_experts: int, alpha: float = 1.702,
-                       limit: float = 7.0, pdl: bool = False) -> torch.Tensor:
+                       limit: float = 7.0, pdl: bool = False, norm_input: tuple | None = None) -> torch.Tensor:
     """router.route then moe_experts, as one step of the fused layer. Where ``routes_in_kernel``, the
     router writes only its logits (router.router_logits: whole gate rows a program, no partials, no
     arrival counter, no top-k program) and each expert program makes the router's top-k itself from
     them (the top-k tail of the router and the ids' round trip leave the critical path); else the two
-    launches as they are."""
+    launches as they are. ``norm_input`` = (x, residual, weight, eps): h is norm.add_rmsnorm of those,
+    launched just before; where ``router_beside_norm`` too, the router makes h itself and runs beside
+    that launch."""
     if not routes_in_kernel(h.shape[0], w13, w13_scale):
         weights, ids = router.route(h, gate, gate_bias, top_k, scaling, pdl=pdl)
         return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
@@ -444,7 +453,8 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
-    logits = router.router_logits(h, gate, pdl=pdl)
+    beside = norm_input if router_beside_norm() else None
+    logits = router.router_logits(h, gate, pdl=pdl, beside_norm=beside)
     ids = torch.empty(1, top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(1, top_k, dtype=torch.float32, device=h.device)
     return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
