@@ -84,7 +84,7 @@ def _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, t, n_tokens, n_experts, 
     bias = None
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_r, mask=mask_r, other=0.0)
-    ids, weights = select_topk(logits[None, :] + rows.to(tl.float32), bias, mask_r, scaling, TOPK, K_POW2)
+    ids, weights = select_topk(tl.broadcast_to(logits[None, :], (NW, E_POW2)), bias, mask_r, scaling, TOPK, K_POW2)
     cols = tl.arange(0, K_POW2)[None, :]
     first = (tl.arange(0, NW)[:, None] == 0) & (cols < TOPK)
     tl.store(ids_ptr + t * TOPK + cols + rows, ids, mask=first)
