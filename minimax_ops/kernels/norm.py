@@ -16,8 +16,9 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 @triton.jit
 def rmsnorm_row(x, w, hidden, eps):
-    """Gemma RMSNorm of one fp32 row x [BLOCK_H] (lanes past ``hidden`` 0) with weight w (fp32): fp32."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    """Gemma RMSNorm of one fp32 row x (along its last axis: [BLOCK_H] or [1, BLOCK_H]; lanes past
+    ``hidden`` 0) with weight w (fp32, x's shape): fp32."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True) / hidden + eps)
     return x * rstd * (1.0 + w)
 
 

@@ -178,17 +178,18 @@ def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, res_ptr, nw_ptr, n_tokens, n_e
     rows = tl.minimum(offs_e, n_experts - 1).to(tl.int64)
     g = tl.load(g_ptr + rows[:, None] * stride_ge + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     if NORM:
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+        nw = tl.load(nw_ptr + offs_k[None, :], mask=k_mask[None, :], other=0.0)
     elif PDL:
         gdc_wait()
         gdc_launch_dependents()
     for t in range(0, n_tokens):
-        x = tl.load(h_ptr + t * stride_hm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        # Rows [1, BLOCK_H], as the gate's are laid out: the product needs no layout change.
+        x = tl.load(h_ptr + t * stride_hm + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         if NORM:
-            r = tl.load(res_ptr + t * stride_rm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            r = tl.load(res_ptr + t * stride_rm + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
             _, normed = add_rmsnorm_row(x, r, nw.to(tl.float32), hidden, eps)
             x = normed.to(tl.bfloat16).to(tl.float32)  # the bf16 h the norm stores
-        tl.store(logits_ptr + t * n_experts + offs_e, tl.sum(g * x[None, :], axis=1), mask=offs_e < n_experts)
+        tl.store(logits_ptr + t * n_experts + offs_e, tl.sum(g * x, axis=1), mask=offs_e < n_experts)
     if PDL and NORM:
         gdc_wait()
         gdc_launch_dependents()
