@@ -190,15 +190,17 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stri
     s = tl.arange(0, SPLIT_CHUNK)
     d = tl.arange(0, HEAD_DIM)
     # One pass, rescaling online per chunk of splits: a step with <= SPLIT_CHUNK splits issues all its
-    # loads (max, sum, acc) at once, one round trip.
+    # loads (acc, sum, max) at once, one round trip. The acc tile is loaded first: with the max first,
+    # ptxas (sm_90) ran the max's shuffles right after its load, stalled on it and issued acc's loads
+    # only then, two round trips (a block barrier between the loads and the max did not stop it).
     m_run = tl.full([], float("-inf"), tl.float32)
     l_run = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         ok = s0 + s < num_splits
-        m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
-        l = tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
         a = tl.load(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        l = tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
+        m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
         m_new = tl.maximum(m_run, tl.max(m, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)  # 0 while nothing was seen
