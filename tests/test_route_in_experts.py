@@ -184,7 +184,9 @@ def test_the_ffn_step_launches_through_the_stage_functions(device, monkeypatch):
     monkeypatch.setattr(decode_layer, "_add_rmsnorm", lambda *a: calls.append("norm") or norm_(*a))
     monkeypatch.setattr(decode_layer, "_route", lambda *a: calls.append("route") or route_(*a))
     step = decode_layer.kernel_stages().norm_routed_moe_experts
-    routed, _ = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
+    with monkeypatch.context() as m:
+        m.setattr(router, "route", lambda *a, **k: pytest.fail("router.route called on the in-kernel path"))
+        routed, _ = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
     assert calls == ["norm"]
     monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "0")
     two, _ = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
