@@ -100,10 +100,10 @@ def test_the_bias_chooses_and_the_scores_weigh(device):
     assert rel_err(out, want) < 1.5e-2
 
 
-def test_other_steps_and_layouts_take_the_two_launches(device, monkeypatch):
-    """Steps of more than one token, tables outside the mma layouts
-    route with router.route (as does every step without MINIMAX_OPS_ROUTE_IN_EXPERTS=1); a launch asked to
-    route in-kernel for them is refused by name."""
+def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
+    """Steps of more than one token and tables outside the mma layouts are not routes_in_kernel's (nor is
+    any step without MINIMAX_OPS_ROUTE_IN_EXPERTS=1: decode_layer's FFN step routes them with router.route);
+    the in-kernel launch refuses them by name."""
     torch.manual_seed(5)
     canonical, mma = _tables(device, "mxfp4", "separate")
     assert not routes_in_kernel(2, mma[0], mma[1])
@@ -113,17 +113,10 @@ def test_other_steps_and_layouts_take_the_two_launches(device, monkeypatch):
     monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "1")
     h = torch.randn(2, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
-    logits = router.router_logits(h, gate)
-    ids = torch.empty(2, K, dtype=torch.int32, device=device)
-    weights = torch.empty(2, K, device=device)
     with pytest.raises(ValueError, match="route: .* only one-token steps"):
-        moe_experts(h, ids, weights, *mma, num_routed_experts=E, route=(logits, gate_bias, SCALING))
+        routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
     with pytest.raises(ValueError, match="route: .* only in the mma layouts"):
-        moe_experts(h[:1], ids[:1], weights[:1], *canonical, num_routed_experts=E,
-                    route=(logits[:1], gate_bias, SCALING))
-    two = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
-    w, i = ref.route(h, gate, gate_bias, K, SCALING)
-    assert rel_err(two, ref.moe_experts(h, i, w, *canonical, num_routed_experts=E)) < 1.5e-2
+        routed_moe_experts(h[:1], gate, gate_bias, K, SCALING, *canonical, num_routed_experts=E)
     with pytest.raises(ValueError, match="gate: expected 8 rows"):
         routed_moe_experts(h[:1], gate[:4], None, K, SCALING, *mma, num_routed_experts=E)
 

@@ -64,9 +64,10 @@ def _moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared
 def _norm_routed_moe_experts(o, residual, norm_weight, eps, gate, gate_bias, top_k, scaling, w13, w13_scale, w2,
                              w2_scale, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, num_routed_experts,
                              alpha, limit, out_fp32=False):
-    # The post-attention norm, the router and the experts: one-token steps on mma-layout tables may route
-    # inside the expert kernels and run the router beside the norm (kernels/moe.py routed_moe_experts);
-    # other steps launch the stages below (module functions: benchmarks/stage_removal.py replaces them).
+    # The post-attention norm, the router and the experts: the steps moe.routes_in_kernel takes (decided
+    # here, once) route inside the expert kernels and may run the router beside the norm
+    # (moe.routed_moe_experts); other steps launch the stages below (module functions:
+    # benchmarks/stage_removal.py replaces them).
     h, residual_out = _add_rmsnorm(o, residual, norm_weight, eps)
     experts = (w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale)
     if not moe.routes_in_kernel(h.shape[0], w13, w13_scale):

@@ -439,24 +439,21 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
                        shared_w13_scale: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                        shared_w2_scale: torch.Tensor | None = None, *, num_routed_experts: int, alpha: float = 1.702,
                        limit: float = 7.0, pdl: bool = False, norm_input: tuple | None = None) -> torch.Tensor:
-    """router.route then moe_experts, as one step of the fused layer. Where ``routes_in_kernel``, the
-    router writes only its logits (router.router_logits: whole gate rows a program, no partials, no
-    arrival counter, no top-k program) and each expert program makes the router's top-k itself from
-    them (the top-k tail of the router and the ids' round trip leave the critical path); else the two
-    launches as they are. ``norm_input`` = (x, residual, weight, eps): h is norm.add_rmsnorm of those,
-    launched just before; where ``router_beside_norm`` too, the router makes h itself and runs beside
-    that launch."""
-    if not routes_in_kernel(h.shape[0], w13, w13_scale):
-        weights, ids = router.route(h, gate, gate_bias, top_k, scaling, pdl=pdl)
-        return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-                           shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl)
+    """router.route then moe_experts for a one-token step on mma-layout tables (``routes_in_kernel``'s
+    steps; the caller decides, decode_layer's FFN step for the fused layer), routed inside the expert
+    kernels: the router writes only its logits (router.router_logits: whole gate rows a program, no
+    partials, no arrival counter, no top-k program) and each expert program makes the router's top-k
+    itself from them (the top-k tail of the router and the ids' round trip leave the critical path).
+    Other steps are refused by name (moe_experts' ``route``). ``norm_input`` = (x, residual, weight, eps):
+    h is norm.add_rmsnorm of those, launched just before; where ``router_beside_norm`` too, the router
+    makes h itself and runs beside that launch."""
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
     beside = norm_input if router_beside_norm() else None
     logits = router.router_logits(h, gate, pdl=pdl, beside_norm=beside)
-    ids = torch.empty(1, top_k, dtype=torch.int32, device=h.device)
-    weights = torch.empty(1, top_k, dtype=torch.float32, device=h.device)
+    ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
     return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
                        shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl,
                        route=(logits, None if gate_bias is None else gate_bias.contiguous(), scaling))
