@@ -229,6 +229,7 @@ def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = Fal
     logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
     if n == 0:
         return logits
+    # Off the norm (NORM=False) the kernel reads h as x and never touches residual / weight.
     x, residual, weight, eps = beside_norm if beside_norm is not None else (h, h, h, 0.0)
     if beside_norm is not None:
         for name, t in (("x", x), ("residual", residual)):
