@@ -3,7 +3,10 @@ stage taken out (H200, real-size sparse MoE layers, a graph of --layers consecut
 benchmark builds them). Numerics are wrong by design: a removed norm passes its input through, a removed
 router or indexer + attention returns its first call's output (per layer, so later layers still run); a
 removed router top-k or attention merge still launches the router's logits or the attention's splits (the
-top-k or merge kernel not), returning the first full call's output.
+top-k or merge kernel not), returning the first full call's output. The router variants time the router's
+own launches: where one is chosen, the process runs with MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (every variant, the
+full layer too; one-token steps otherwise make the top-k inside the expert kernels, where no router
+launch is left to remove but the logits).
 
     PYTHONPATH=$PWD python3 benchmarks/stage_removal.py [--experts mxfp4] [--tokens 1] [--layers 4] [--timeline]
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import pathlib
 import statistics
 import sys
@@ -112,6 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     variants = {k: v for k, v in VARIANTS.items() if not args.only or k == "full layer" or k in args.only.split(",")}
     decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages = _norm, _route, _stages
+    if any(v & {"route", "topk"} for v in variants.values()):
+        os.environ["MINIMAX_OPS_ROUTE_IN_EXPERTS"] = "0"
+        print("router variants chosen: the router's own launches (MINIMAX_OPS_ROUTE_IN_EXPERTS=0)", flush=True)
     print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth(torch.device('cuda')) / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
 

@@ -225,13 +225,12 @@ def test_compiled_model_with_pass_full_cuda_graph(name, layout):
     assert fused_ops.impl_calls == calls, "the fused op's Python ran during replay"
 
 
-@pytest.mark.parametrize("experts, beside", [("mxfp4", False), ("mxfp8", False), ("mxfp4", True)])
-def test_one_token_routed_in_the_experts(experts, beside, monkeypatch):
-    """A one-token step with MINIMAX_OPS_ROUTE_IN_EXPERTS=1 (the router writes logits, the expert kernels
-    make the top-k; ``beside``: MINIMAX_OPS_ROUTER_BESIDE_NORM=1 too, the router making the post-attention
-    norm's h itself, beside the norm kernel): the fused layer matches the reference and the default path,
-    writes the same caches, and its captured graph replays to the same bits."""
-    monkeypatch.setenv("MINIMAX_OPS_ROUTER_BESIDE_NORM", "1" if beside else "0")
+@pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
+def test_one_token_routed_in_the_experts(experts, monkeypatch):
+    """A one-token step routed in the experts (the default: the router writes logits, the expert kernels
+    make the top-k) against MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (the router's top-k launch): the fused layer
+    matches the reference and the two-launch path, writes the same caches, and its captured graph replays
+    to the same bits."""
     cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
                                                     contexts=[33000], query_len=1, seed=9, pad_requests=0)
     assert meta.num_tokens == 1

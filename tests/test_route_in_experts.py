@@ -1,6 +1,6 @@
 """One-token steps routed inside the expert kernels (kernels/moe.py ``routed_moe_experts``): the router
-writes only its logits (router.router_logits) and the mma-layout expert kernels make its top-k themselves;
-with MINIMAX_OPS_ROUTER_BESIDE_NORM=1 the router also makes the post-attention norm's h itself, beside it.
+writes only its logits (router.router_logits) and the mma-layout expert kernels make its top-k themselves
+(the fused layer's default; MINIMAX_OPS_ROUTE_IN_EXPERTS=0 turns it off).
 
 On CPU the kernels run under the Triton interpreter (the portable emulation of the mma product), on CUDA
 through the PTX. Compared with the fp32 reference (ref.route then ref.moe_experts on the canonical
@@ -14,7 +14,7 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.formats import quantize, to_mma_layout
-from minimax_ops.kernels import decode_layer, norm, router
+from minimax_ops.kernels import decode_layer, router
 from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_kernel
 from utils import rel_err
 
@@ -23,8 +23,8 @@ H, I, E, K = 256, 128, 8, 2
 
 @pytest.fixture(autouse=True)
 def route_in_experts(monkeypatch):
-    """The path is opt-in (MINIMAX_OPS_ROUTE_IN_EXPERTS=1) until a GPU run keeps it on."""
-    monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "1")
+    """The default (no switch set), whatever the environment the tests run in."""
+    monkeypatch.delenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", raising=False)
 
 
 SCALING = 2.0
@@ -102,15 +102,15 @@ def test_the_bias_chooses_and_the_scores_weigh(device):
 
 def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
     """Steps of more than one token and tables outside the mma layouts are not routes_in_kernel's (nor is
-    any step without MINIMAX_OPS_ROUTE_IN_EXPERTS=1: decode_layer's FFN step routes them with router.route);
+    any step with MINIMAX_OPS_ROUTE_IN_EXPERTS=0: decode_layer's FFN step routes them with router.route);
     the in-kernel launch refuses them by name."""
     torch.manual_seed(5)
     canonical, mma = _tables(device, "mxfp4", "separate")
     assert not routes_in_kernel(2, mma[0], mma[1])
     assert not routes_in_kernel(1, canonical[0], canonical[1])
-    monkeypatch.delenv("MINIMAX_OPS_ROUTE_IN_EXPERTS")
+    monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "0")
     assert not routes_in_kernel(1, mma[0], mma[1])
-    monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "1")
+    monkeypatch.delenv("MINIMAX_OPS_ROUTE_IN_EXPERTS")
     h = torch.randn(2, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
     with pytest.raises(ValueError, match="route: .* only one-token steps"):
@@ -121,67 +121,34 @@ def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
         routed_moe_experts(h[:1], gate[:4], None, K, SCALING, *mma, num_routed_experts=E)
 
 
-def _norm_inputs(device, n, hidden=H):
-    x = torch.randn(n, hidden, device=device).bfloat16()
-    residual = (torch.randn(n, hidden, device=device) * 2).bfloat16()
-    weight = (torch.randn(hidden, device=device) * 0.1).bfloat16()
-    return x, residual, weight, 1e-6
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_the_router_beside_the_norm_makes_the_norms_h(n, device):
-    """Given the norm's inputs, the router's logits are those of the norm's own h (norm.add_rmsnorm)
-    within fp32 summation order; the inputs are checked by name."""
-    torch.manual_seed(21 + n)
-    x, residual, weight, eps = _norm_inputs(device, n)
-    h, _ = norm.add_rmsnorm(x, residual, weight, eps)
-    want = ref.gemma_rmsnorm(x.float() + residual.float(), weight, eps)  # (fp32 h, before its bf16 rounding)
-    assert rel_err(h, want) < 1e-2
-    gate = torch.randn(E + 3, H, device=device)
-    beside = router.router_logits(h, gate, beside_norm=(x, residual, weight, eps))
-    assert rel_err(beside, h.double() @ gate.double().T) < 1e-5
-    assert rel_err(beside, router.router_logits(h, gate)) < 1e-5
-    with pytest.raises(ValueError, match="residual: expected hidden size"):
-        router.router_logits(h, gate, beside_norm=(x, residual[:, :-32], weight, eps))
-    with pytest.raises(ValueError, match="weight: expected a contiguous"):
-        router.router_logits(h, gate, beside_norm=(x, residual, weight[:-1], eps))
-
-
-@pytest.mark.parametrize("beside", [False, True])
-def test_the_fused_layers_ffn_step_matches_the_reference(beside, device, monkeypatch):
-    """decode_layer's post-norm + router + experts step (the fused layer's, routed in the experts) against
-    the fp32 reference of the router and experts on the norm's h, with the router after or beside the
-    norm; the residual out is the norm's."""
-    monkeypatch.setenv("MINIMAX_OPS_ROUTER_BESIDE_NORM", "1" if beside else "0")
+def test_the_fused_layers_ffn_step_matches_the_reference(device):
+    """decode_layer's router + experts step (the fused layer's, routed in the experts) against the fp32
+    reference of the router and experts."""
     torch.manual_seed(31)
     canonical, mma = _tables(device, "mxfp4", "separate")
-    o, residual, weight, eps = _norm_inputs(device, 1)
+    h = torch.randn(1, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
-    step = decode_layer.kernel_stages().norm_routed_moe_experts
-    out, residual_out = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
-    h, summed = norm.add_rmsnorm(o, residual, weight, eps)  # (the interpreter's bf16 casts truncate)
-    assert torch.equal(residual_out, summed) and rel_err(summed, o.float() + residual.float()) < 1e-2
+    out = decode_layer.kernel_stages().routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
     weights, ids = ref.route(h, gate, gate_bias, K, SCALING)
     assert rel_err(out, ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)) < 1.5e-2
 
 
 def test_the_ffn_step_launches_through_the_stage_functions(device, monkeypatch):
-    """The step's norm is decode_layer._add_rmsnorm and, off the in-kernel path, its router
-    decode_layer._route (benchmarks/stage_removal.py replaces those); on it, router.route is not called."""
+    """Off the in-kernel path the step's router is decode_layer._route (benchmarks/stage_removal.py
+    replaces it); on it, router.route is not called."""
     torch.manual_seed(41)
     _, mma = _tables(device, "mxfp4", "separate")
-    o, residual, weight, eps = _norm_inputs(device, 1)
+    h = torch.randn(1, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
     calls = []
-    norm_, route_ = decode_layer._add_rmsnorm, decode_layer._route
-    monkeypatch.setattr(decode_layer, "_add_rmsnorm", lambda *a: calls.append("norm") or norm_(*a))
+    route_ = decode_layer._route
     monkeypatch.setattr(decode_layer, "_route", lambda *a: calls.append("route") or route_(*a))
-    step = decode_layer.kernel_stages().norm_routed_moe_experts
+    step = decode_layer.kernel_stages().routed_moe_experts
     with monkeypatch.context() as m:
         m.setattr(router, "route", lambda *a, **k: pytest.fail("router.route called on the in-kernel path"))
-        routed, _ = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
-    assert calls == ["norm"]
+        routed = step(h, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
+    assert calls == []
     monkeypatch.setenv("MINIMAX_OPS_ROUTE_IN_EXPERTS", "0")
-    two, _ = step(o, residual, weight, eps, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
-    assert calls == ["norm", "norm", "route"]
+    two = step(h, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
+    assert calls == ["route"]
     assert rel_err(two, routed) < 2e-3

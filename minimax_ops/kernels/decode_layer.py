@@ -14,10 +14,10 @@ chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / 
 offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), and in
 place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
-memory), and in place of the post-attention norm + route + moe_experts ``norm_routed_moe_experts``
-(kernels/moe.py routed_moe_experts: one-token steps on mma-layout tables make the router's top-k inside
-the expert kernels, and may run the router beside the norm; both opt-in); the chain takes each when
-offered. Inputs were checked by the fused op before the first launch.
+memory), and in place of the route + moe_experts pair ``routed_moe_experts`` (one-token steps on
+mma-layout tables make the router's top-k inside the expert kernels, kernels/moe.py; other steps
+launch the pair); the chain takes each when offered. Inputs were checked by the fused op before the
+first launch.
 """
 
 from __future__ import annotations
@@ -61,21 +61,17 @@ def _moe_experts(h, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, shared
     return out.float() if out_fp32 else out  # (the vocabulary op's tensor-parallel partial form)
 
 
-def _norm_routed_moe_experts(o, residual, norm_weight, eps, gate, gate_bias, top_k, scaling, w13, w13_scale, w2,
-                             w2_scale, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, num_routed_experts,
-                             alpha, limit, out_fp32=False):
-    # The post-attention norm, the router and the experts: the steps moe.routes_in_kernel takes (decided
-    # here, once) route inside the expert kernels and may run the router beside the norm
-    # (moe.routed_moe_experts); other steps launch the stages below (module functions:
-    # benchmarks/stage_removal.py replaces them).
-    h, residual_out = _add_rmsnorm(o, residual, norm_weight, eps)
+def _routed_moe_experts(h, gate, gate_bias, top_k, scaling, w13, w13_scale, w2, w2_scale, shared_w13,
+                        shared_w13_scale, shared_w2, shared_w2_scale, num_routed_experts, alpha, limit, out_fp32=False):
+    # The steps moe.routes_in_kernel takes (decided here, once) route inside the expert kernels; other
+    # steps launch the router and the experts (module functions: benchmarks/stage_removal.py replaces them).
     experts = (w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale)
     if not moe.routes_in_kernel(h.shape[0], w13, w13_scale):
         weights, ids = _route(h, gate, gate_bias, top_k, scaling)
-        return _moe_experts(h, ids, weights, *experts, num_routed_experts, alpha, limit, out_fp32), residual_out
+        return _moe_experts(h, ids, weights, *experts, num_routed_experts, alpha, limit, out_fp32)
     out = moe.routed_moe_experts(h, gate, gate_bias, top_k, scaling, *experts, num_routed_experts=num_routed_experts,
-                                 alpha=alpha, limit=limit, pdl=True, norm_input=(o, residual, norm_weight, eps))
-    return (out.float() if out_fp32 else out), residual_out
+                                 alpha=alpha, limit=limit, pdl=True)
+    return out.float() if out_fp32 else out
 
 
 def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
@@ -124,4 +120,4 @@ def kernel_stages() -> SimpleNamespace:
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
-        route=_route, moe_experts=_moe_experts, norm_routed_moe_experts=_norm_routed_moe_experts, mlp=_mlp)
+        route=_route, moe_experts=_moe_experts, routed_moe_experts=_routed_moe_experts, mlp=_mlp)

@@ -417,20 +417,13 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 
 def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
-    """Whether routed_moe_experts makes a step's top-k inside the expert kernels: one-token steps on
-    expert tables in an mma layout (their kernels take the choice from registers), with
-    MINIMAX_OPS_ROUTE_IN_EXPERTS=1 (read at every call: A/B runs switch it between rounds). Off by
-    default until a GPU run has checked and timed it (BENCHMARKS.md, twenty-ninth session)."""
-    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") != "1":
+    """Whether a step of the fused layer makes its top-k inside the expert kernels (routed_moe_experts):
+    one-token steps on expert tables in an mma layout (their kernels take the choice from registers),
+    unless MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (read at every call: A/B runs switch it between rounds; the
+    router's top-k launch then runs as in the unfused chain)."""
+    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") == "0":
         return False
     return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
-
-
-def router_beside_norm() -> bool:
-    """Whether a step routed in-kernel runs its router beside the post-attention norm (router.router_logits'
-    ``beside_norm``): MINIMAX_OPS_ROUTER_BESIDE_NORM=1, read at every call. Off by default until a GPU run has
-    timed it (BENCHMARKS.md, thirtieth session)."""
-    return os.environ.get("MINIMAX_OPS_ROUTER_BESIDE_NORM") == "1"
 
 
 def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
@@ -438,20 +431,17 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
                        w2_scale: torch.Tensor | None, shared_w13: torch.Tensor | None = None,
                        shared_w13_scale: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                        shared_w2_scale: torch.Tensor | None = None, *, num_routed_experts: int, alpha: float = 1.702,
-                       limit: float = 7.0, pdl: bool = False, norm_input: tuple | None = None) -> torch.Tensor:
+                       limit: float = 7.0, pdl: bool = False) -> torch.Tensor:
     """router.route then moe_experts for a one-token step on mma-layout tables (``routes_in_kernel``'s
     steps; the caller decides, decode_layer's FFN step for the fused layer), routed inside the expert
     kernels: the router writes only its logits (router.router_logits: whole gate rows a program, no
     partials, no arrival counter, no top-k program) and each expert program makes the router's top-k
     itself from them (the top-k tail of the router and the ids' round trip leave the critical path).
-    Other steps are refused by name (moe_experts' ``route``). ``norm_input`` = (x, residual, weight, eps):
-    h is norm.add_rmsnorm of those, launched just before; where ``router_beside_norm`` too, the router
-    makes h itself and runs beside that launch."""
+    Other steps are refused by name (moe_experts' ``route``)."""
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
-    beside = norm_input if router_beside_norm() else None
-    logits = router.router_logits(h, gate, pdl=pdl, beside_norm=beside)
+    logits = router.router_logits(h, gate, pdl=pdl)
     ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
     return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,

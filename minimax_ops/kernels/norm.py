@@ -15,23 +15,6 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 @triton.jit
-def rmsnorm_row(x, w, hidden, eps):
-    """Gemma RMSNorm of one fp32 row x (along its last axis: [BLOCK_H] or [1, BLOCK_H]; lanes past
-    ``hidden`` 0) with weight w (fp32, x's shape): fp32."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True) / hidden + eps)
-    return x * rstd * (1.0 + w)
-
-
-@triton.jit
-def add_rmsnorm_row(x, r, w, hidden, eps):
-    """add_rmsnorm of one row (fp32 x and residual r, lanes past ``hidden`` 0): (the bf16 residual
-    x + r, the fp32 norm of it). The norm normalises what is stored, the bf16 residual, as the next
-    layer will see it. One arithmetic for the norm kernel and the router that runs beside it."""
-    summed = (x + r).to(tl.bfloat16)
-    return summed, rmsnorm_row(summed.to(tl.float32), w, hidden, eps)
-
-
-@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
@@ -46,11 +29,12 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-        summed, h = add_rmsnorm_row(x, r, w, hidden, eps)
+        summed = (x + r).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + cols, summed, mask=mask)
-    else:
-        h = rmsnorm_row(x, w, hidden, eps)
-    tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+        # Normalise what was stored (the bf16 residual), as the next layer will see it.
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    tl.store(h_ptr + row * stride_h + cols, (x * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block_h: int) -> int:
@@ -71,7 +55,7 @@ def check_rows(name: str, t: torch.Tensor, width: int | None = None, *, shape: s
         raise ValueError(f"{name}: expected {dim} size {width}, got {t.shape[1]}")
 
 
-def check_norm_weight(weight: torch.Tensor, hidden: int) -> None:
+def _check_weight(weight: torch.Tensor, hidden: int) -> None:
     if weight.shape != (hidden,) or not weight.is_contiguous():
         raise ValueError(f"weight: expected a contiguous [{hidden}] tensor, got shape {tuple(weight.shape)}")
     if weight.dtype not in (torch.bfloat16, torch.float32):
@@ -89,7 +73,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     check_rows("residual", residual, hidden)
     if residual.shape[0] != n:
         raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
-    check_norm_weight(weight, hidden)
+    _check_weight(weight, hidden)
     h = torch.empty_like(x)
     res_out = torch.empty_like(x)
     if n == 0:
@@ -107,7 +91,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gemma_rmsnorm(x, weight) for bf16 x [n, H] -> bf16 [n, H] (the final norm)."""
     check_rows("x", x)
     n, hidden = x.shape
-    check_norm_weight(weight, hidden)
+    _check_weight(weight, hidden)
     h = torch.empty_like(x)
     if n == 0:
         return h

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec
-from .norm import add_rmsnorm_row, check_norm_weight, check_rows
+from .norm import check_rows
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import TOKEN_BLOCK, RouterConfig, block_k_for, num_sms, router_config
@@ -159,40 +159,22 @@ def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_ex
 
 
 @triton.jit
-def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, res_ptr, nw_ptr, n_tokens, n_experts, hidden, stride_hm, stride_ge,
-                        stride_rm, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-                        NORM: tl.constexpr = False):
+def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, stride_hm, stride_ge,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Grid (expert tiles): logits[t, e] = sum over H of h[t] * gate[e] in fp32 for BLOCK_E whole gate
-    rows (BLOCK_H >= H), read before the PDL wait: the gate does not depend on the previous kernel.
-
-    NORM: launched as the programmatic dependent of the post-attention norm (norm.add_rmsnorm), this
-    kernel makes h itself (norm.add_rmsnorm_row) from the norm's inputs, h_ptr the attention output and
-    res_ptr the residual (stride_rm), nw_ptr the norm weight: those were complete before the norm
-    passed its own wait, which its dependents' launch follows, so it reads them at once and runs beside
-    the norm instead of after it. It waits for the norm only before letting its own dependents launch:
-    the shared expert's w13 programs read the norm's h without waiting. (The logits buffer is new:
-    nothing the norm still touches.)"""
+    rows (BLOCK_H >= H), read before the PDL wait: the gate does not depend on the previous kernel."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_H)
     k_mask = offs_k < hidden
     rows = tl.minimum(offs_e, n_experts - 1).to(tl.int64)
     g = tl.load(g_ptr + rows[:, None] * stride_ge + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-    if NORM:
-        nw = tl.load(nw_ptr + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-    elif PDL:
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
     for t in range(0, n_tokens):
         # Rows [1, BLOCK_H], as the gate's are laid out: the product needs no layout change.
         x = tl.load(h_ptr + t * stride_hm + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            r = tl.load(res_ptr + t * stride_rm + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-            _, normed = add_rmsnorm_row(x, r, nw.to(tl.float32), hidden, eps)
-            x = normed.to(tl.bfloat16).to(tl.float32)  # the bf16 h the norm stores
         tl.store(logits_ptr + t * n_experts + offs_e, tl.sum(g * x, axis=1), mask=offs_e < n_experts)
-    if PDL and NORM:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 ROWS_BLOCK_E = 1  # gate rows a program of _router_rows_kernel holds (one: 128 programs for the model's experts)
@@ -214,14 +196,9 @@ def check_gate(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"top_k: expected 1..{n_experts}, got {top_k}")
 
 
-def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = False,
-                  beside_norm: tuple | None = None) -> torch.Tensor:
+def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """fp32 logits [n, E] = fp32(h) @ gate^T, each from whole gate rows a program holds (the top-k is the
-    caller's: moe.routed_moe_experts' expert kernels make it, topk_rows).
-
-    ``beside_norm`` = (x, residual, weight, eps): h is norm.add_rmsnorm(x, residual, weight, eps), the
-    launch just before this one; the kernel makes h itself from those (NORM in _router_rows_kernel) and,
-    as that launch's programmatic dependent (``pdl``), runs beside it."""
+    caller's: moe.routed_moe_experts' expert kernels make it, topk_rows)."""
     check_gate(h, gate_weight)
     n, hidden = h.shape
     gate_weight = gate_weight.contiguous()
@@ -229,19 +206,10 @@ def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = Fal
     logits = torch.empty(n, n_experts, dtype=torch.float32, device=h.device)
     if n == 0:
         return logits
-    # Off the norm (NORM=False) the kernel reads h as x and never touches residual / weight.
-    x, residual, weight, eps = beside_norm if beside_norm is not None else (h, h, h, 0.0)
-    if beside_norm is not None:
-        for name, t in (("x", x), ("residual", residual)):
-            check_rows(name, t, hidden)
-            if t.shape[0] != n:
-                raise ValueError(f"{name}: expected {n} rows like h, got {t.shape[0]}")
-        check_norm_weight(weight, hidden)
     pdl = pdl and pdl_supported(h.device)
     _router_rows_kernel[(triton.cdiv(n_experts, ROWS_BLOCK_E),)](
-        x, gate_weight, logits, residual, weight, n, n_experts, hidden, x.stride(0), gate_weight.stride(0),
-        residual.stride(0), float(eps), BLOCK_E=ROWS_BLOCK_E, BLOCK_H=triton.next_power_of_2(hidden), PDL=pdl,
-        NORM=beside_norm is not None, num_warps=4, launch_pdl=pdl)
+        h, gate_weight, logits, n, n_experts, hidden, h.stride(0), gate_weight.stride(0), BLOCK_E=ROWS_BLOCK_E,
+        BLOCK_H=triton.next_power_of_2(hidden), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return logits
 
 
@@ -332,16 +300,13 @@ def aot_specs() -> list[KernelSpec]:
          "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
          "PDL": False, "NW": cfg.num_warps}, num_warps=cfg.num_warps, targets=("cuda",),
         name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
-    for norm, pdl, targets in ((False, False, ()), (False, True, ("cuda",)), (True, False, ()),
-                               (True, True, ("cuda",))):  # the fused layer's one-token logits
+    for pdl, targets in ((False, ()), (True, ("cuda",))):  # the fused layer's one-token logits
         specs.append(KernelSpec(
             _router_rows_kernel,
-            {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
-             "n_tokens": "i32", "n_experts": "i32", "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32",
-             "stride_rm": "i32", "eps": "fp32"},
-            {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl, "NORM": norm},
-            targets=targets, name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_norm' if norm else ''}"
-                                  f"{'_pdl' if pdl else ''}"))
+            {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32"},
+            {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl}, targets=targets,
+            name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_pdl' if pdl else ''}"))
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
     return list(unique.values())

@@ -117,17 +117,16 @@ def dense_attention(x, residual, positions, slot_mapping, block_table, seq_lens,
 
 def sparse_ffn(o, residual, w, c: SparseConsts, ops=None):
     """Steps 8-10 on the reduced attention output: post norm, router, routed + shared experts
-    -> (out unreduced, residual). A kernel namespace (``ops``) may offer the three as one step,
-    ``norm_routed_moe_experts`` (the norm's arguments, the router's, then the experts'; returning
-    (out, residual)); the vocabulary has three ops."""
+    -> (out unreduced, residual). A kernel namespace (``ops``) may offer the router and the experts as
+    one step, ``routed_moe_experts`` (the signature of kernels/moe.py's, the router's arguments first);
+    the vocabulary has two ops."""
     mm = ops or MM
+    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
     experts = (w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"], w["shared_w13_scale"], w["shared_w2"],
                w["shared_w2_scale"], c.num_routed_experts, c.alpha, c.limit, *_fp32(c))
-    one_step = getattr(mm, "norm_routed_moe_experts", None) if mm is not MM else None
+    one_step = getattr(mm, "routed_moe_experts", None) if mm is not MM else None
     if one_step is not None:
-        return one_step(o, residual, w["post_norm"], c.eps, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling,
-                        *experts)
-    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
+        return one_step(h, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling, *experts), residual
     weights, ids = mm.route(h, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling)
     return mm.moe_experts(h, ids, weights, *experts), residual
 
