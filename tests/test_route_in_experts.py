@@ -103,7 +103,7 @@ def test_the_bias_chooses_and_the_scores_weigh(device):
 def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
     """Steps of more than one token and tables outside the mma layouts are not routes_in_kernel's (nor is
     any step with MINIMAX_OPS_ROUTE_IN_EXPERTS=0: decode_layer's FFN step routes them with router.route);
-    the in-kernel launch refuses them by name."""
+    the in-kernel launch refuses them by name, before it launches anything."""
     torch.manual_seed(5)
     canonical, mma = _tables(device, "mxfp4", "separate")
     assert not routes_in_kernel(2, mma[0], mma[1])
@@ -113,12 +113,19 @@ def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
     monkeypatch.delenv("MINIMAX_OPS_ROUTE_IN_EXPERTS")
     h = torch.randn(2, H, device=device).bfloat16()
     gate, gate_bias = _gate(device, True)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a refused step launched the router")
+
+    monkeypatch.setattr(router, "router_logits", no_launch)
     with pytest.raises(ValueError, match="route: .* only one-token steps"):
         routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
     with pytest.raises(ValueError, match="route: .* only in the mma layouts"):
         routed_moe_experts(h[:1], gate, gate_bias, K, SCALING, *canonical, num_routed_experts=E)
     with pytest.raises(ValueError, match="gate: expected 8 rows"):
         routed_moe_experts(h[:1], gate[:4], None, K, SCALING, *mma, num_routed_experts=E)
+    with pytest.raises(ValueError, match="w2"):  # w13's table given as w2
+        routed_moe_experts(h[:1], gate, gate_bias, K, SCALING, *mma[:2], *mma[:2], *mma[4:], num_routed_experts=E)
 
 
 def test_the_fused_layers_ffn_step_matches_the_reference(device):

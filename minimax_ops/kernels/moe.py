@@ -182,12 +182,18 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
 @triton.jit
 def _moe_combine_kernel(y_ptr, topk_weights_ptr, ids_ptr, out_ptr, hidden, stride_ysplit, stride_ym, stride_ycol,
                         stride_om, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+                        LAUNCH_FIRST: tl.constexpr = False):
     """Grid (token, H tile): out = y[shared] + sum over j = 0..k-1 of w_j * y[j], in that order,
-    each y summed over the I splits first."""
+    each y summed over the I splits first. LAUNCH_FIRST (PDL): the next kernel launches before this
+    one waits (the fused layer's next norm reads only its weight before its own wait)."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH_FIRST:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < hidden
@@ -252,6 +258,33 @@ class _Weights:
         tile = [t.stride(1) if self.tiled else 0 for t in (self.w, self.s, self.sw, self.ss)]
         return (self.w.stride(0), self.w.stride(row), self.s.stride(0), self.s.stride(row), self.sw.stride(row),
                 self.ss.stride(row), *tile)
+
+
+def _checked_tables(hidden: int, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                    shared_w2_scale, num_routed_experts: int) -> tuple[_Table, _Table, _Table | None, _Table | None]:
+    """The expert tables (w13, w2, shared_w13, shared_w2; the shared ones None where not given), checked
+    against each other and the hidden size, or ValueError naming the argument (before any launch)."""
+    t13_w = _expert_table("w13", w13, w13_scale, None, None, hidden)
+    experts, two_inter = t13_w.w.shape[0], t13_w.rows
+    if two_inter % 2:
+        raise ValueError(f"w13: expected 2*I rows (gate then up), got {two_inter}")
+    inter = two_inter // 2
+    t2_w = _expert_table("w2", w2, w2_scale, experts, hidden, inter)
+    if t13_w.fmt != t2_w.fmt and (t13_w.fmt in MMA_CODES or t2_w.fmt in MMA_CODES):
+        raise ValueError("w13 / w2: expected both or neither in an mma layout (mxfp4_mma / mxfp8_mma), of one format")
+    separate = shared_w13 is not None
+    if experts not in (num_routed_experts, num_routed_experts + 1) or (separate and experts != num_routed_experts):
+        raise ValueError(f"w13: expected {num_routed_experts} experts (+1 if the shared expert is in the table "
+                         f"and not given separately), got {experts}")
+    if separate != (shared_w2 is not None):
+        raise ValueError("shared_w13 / shared_w2: expected both or neither")
+    s13 = s2 = None
+    if separate:
+        s13 = _expert_table("shared_w13", shared_w13, shared_w13_scale, 1, None, hidden, single=True)
+        if s13.rows % 2:
+            raise ValueError(f"shared_w13: expected 2*Is rows, got {s13.rows}")
+        s2 = _expert_table("shared_w2", shared_w2, shared_w2_scale, 1, hidden, s13.rows // 2, single=True)
+    return t13_w, t2_w, s13, s2
 
 
 def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool,
@@ -336,28 +369,12 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.contiguous()
     top_k = ids.shape[1]
-    t13_w = _expert_table("w13", w13, w13_scale, None, None, hidden)
-    experts, two_inter = t13_w.w.shape[0], t13_w.rows
-    if two_inter % 2:
-        raise ValueError(f"w13: expected 2*I rows (gate then up), got {two_inter}")
-    inter = two_inter // 2
-    t2_w = _expert_table("w2", w2, w2_scale, experts, hidden, inter)
-    if t13_w.fmt != t2_w.fmt and (t13_w.fmt in MMA_CODES or t2_w.fmt in MMA_CODES):
-        raise ValueError("w13 / w2: expected both or neither in an mma layout (mxfp4_mma / mxfp8_mma), of one format")
-    separate = shared_w13 is not None
-    if experts not in (num_routed_experts, num_routed_experts + 1) or (separate and experts != num_routed_experts):
-        raise ValueError(f"w13: expected {num_routed_experts} experts (+1 if the shared expert is in the table "
-                         f"and not given separately), got {experts}")
-    if separate != (shared_w2 is not None):
-        raise ValueError("shared_w13 / shared_w2: expected both or neither")
-    fused = experts == num_routed_experts + 1
-    inter_shared = inter
-    if separate:
-        s13 = _expert_table("shared_w13", shared_w13, shared_w13_scale, 1, None, hidden, single=True)
-        if s13.rows % 2:
-            raise ValueError(f"shared_w13: expected 2*Is rows, got {s13.rows}")
-        inter_shared = s13.rows // 2
-        s2 = _expert_table("shared_w2", shared_w2, shared_w2_scale, 1, hidden, inter_shared, single=True)
+    t13_w, t2_w, s13, s2 = _checked_tables(hidden, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
+                                           shared_w2, shared_w2_scale, num_routed_experts)
+    inter = t13_w.rows // 2
+    separate = s13 is not None
+    fused = t13_w.w.shape[0] == num_routed_experts + 1
+    inter_shared = s13.rows // 2 if separate else inter
     out = torch.empty(n, hidden, dtype=torch.bfloat16, device=h.device)
     if n == 0:
         return out
@@ -412,7 +429,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
         y, topk_weights, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
         NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split,
-        PDL=pdl, num_warps=4, launch_pdl=pdl)
+        PDL=pdl, LAUNCH_FIRST=pdl and os.environ.get("MINIMAX_OPS_COMBINE_LAUNCH_FIRST") == "1", num_warps=4,
+        launch_pdl=pdl)
     return out
 
 
@@ -421,9 +439,12 @@ def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor |
     one-token steps on expert tables in an mma layout (their kernels take the choice from registers),
     unless MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (read at every call: A/B runs switch it between rounds; the
     router's top-k launch then runs as in the unfused chain)."""
-    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") == "0":
-        return False
-    return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
+    return os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") != "0" and _routable(n_tokens, w13, w13_scale)
+
+
+def _routable(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
+    """The steps the expert kernels can route in-kernel: one token, tables in an mma layout."""
+    return n_tokens == 1 and check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
 
 
 def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
@@ -437,10 +458,18 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
     kernels: the router writes only its logits (router.router_logits: whole gate rows a program, no
     partials, no arrival counter, no top-k program) and each expert program makes the router's top-k
     itself from them (the top-k tail of the router and the ids' round trip leave the critical path).
-    Other steps are refused by name (moe_experts' ``route``)."""
+    Other steps are refused by name before anything is launched."""
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
+    check_rows("h", h, shape="[n, H]", dim="H")
+    # Checked here too (moe_experts checks them again), so that a refused step launches nothing.
+    _checked_tables(h.shape[1], w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                    shared_w2_scale, num_routed_experts)
+    if h.shape[0] != 1:
+        raise ValueError(f"route: the experts route in-kernel only one-token steps, got {h.shape[0]} tokens")
+    if not _routable(1, w13, w13_scale):
+        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
     logits = router.router_logits(h, gate, pdl=pdl)
     ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
@@ -556,8 +585,10 @@ def aot_specs() -> list[KernelSpec]:
                  "hidden": "i32", "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32",
                  "stride_om": "i32"},
                 {"NUM_ROUTED": n_routed, "TOPK": top_k, "HAS_SHARED": has_shared, "BLOCK_H": COMBINE_BLOCK,
-                 "SPLIT": split, "PDL": pdl}, targets=("cuda",) if pdl else (),
+                 "SPLIT": split, "PDL": pdl, "LAUNCH_FIRST": False}, targets=("cuda",) if pdl else (),
                 name=f"moe_combine_h{hidden}_shared{int(has_shared)}_split{split}{'_pdl' if pdl else ''}"))
+    specs += [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
+              for s in specs if s.constexprs["PDL"]]
     tiled_hip = [dataclasses.replace(s, targets=("hip",)) for s in _all_expert_specs(ptx=False, tiled=True)]
     return (specs + _all_expert_specs(ptx=False) + tiled_hip + _all_expert_specs(ptx=True, pdl=True)
             + _all_expert_specs(ptx=False, tiled=True, pdl=True))
