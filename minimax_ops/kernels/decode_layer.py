@@ -37,10 +37,7 @@ def _out_dtype(out_fp32: bool) -> torch.dtype:
 
 
 def _add_rmsnorm(x, residual, weight, eps):
-    # The kernels after a norm (the qkv GEMV, the router) read only weights before their wait: with
-    # MINIMAX_OPS_NORM_LAUNCH_FIRST=1 (read at every call, for A/B runs) the norm lets them launch first.
-    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True,
-                            launch_first=os.environ.get("MINIMAX_OPS_NORM_LAUNCH_FIRST") == "1")
+    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
 
 
 def _mx_linear(x, weight, scale, out_fp32=False):

@@ -182,18 +182,12 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
 @triton.jit
 def _moe_combine_kernel(y_ptr, topk_weights_ptr, ids_ptr, out_ptr, hidden, stride_ysplit, stride_ym, stride_ycol,
                         stride_om, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
-                        LAUNCH_FIRST: tl.constexpr = False):
+                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Grid (token, H tile): out = y[shared] + sum over j = 0..k-1 of w_j * y[j], in that order,
-    each y summed over the I splits first. LAUNCH_FIRST (PDL): the next kernel launches before this
-    one waits (the fused layer's next norm reads only its weight before its own wait)."""
+    each y summed over the I splits first."""
     if PDL:
-        if LAUNCH_FIRST:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            gdc_wait()
-            gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < hidden
@@ -429,8 +423,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
         y, topk_weights, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
         NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split,
-        PDL=pdl, LAUNCH_FIRST=pdl and os.environ.get("MINIMAX_OPS_COMBINE_LAUNCH_FIRST") == "1", num_warps=4,
-        launch_pdl=pdl)
+        PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -585,10 +578,8 @@ def aot_specs() -> list[KernelSpec]:
                  "hidden": "i32", "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32",
                  "stride_om": "i32"},
                 {"NUM_ROUTED": n_routed, "TOPK": top_k, "HAS_SHARED": has_shared, "BLOCK_H": COMBINE_BLOCK,
-                 "SPLIT": split, "PDL": pdl, "LAUNCH_FIRST": False}, targets=("cuda",) if pdl else (),
+                 "SPLIT": split, "PDL": pdl}, targets=("cuda",) if pdl else (),
                 name=f"moe_combine_h{hidden}_shared{int(has_shared)}_split{split}{'_pdl' if pdl else ''}"))
-    specs += [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
-              for s in specs if s.constexprs["PDL"]]
     tiled_hip = [dataclasses.replace(s, targets=("hip",)) for s in _all_expert_specs(ptx=False, tiled=True)]
     return (specs + _all_expert_specs(ptx=False) + tiled_hip + _all_expert_specs(ptx=True, pdl=True)
             + _all_expert_specs(ptx=False, tiled=True, pdl=True))
