@@ -281,6 +281,15 @@ def _checked_tables(hidden: int, w13, w13_scale, w2, w2_scale, shared_w13, share
     return t13_w, t2_w, s13, s2
 
 
+def _check_route(n_tokens: int, fmt: int) -> None:
+    """The steps the expert kernels can route in-kernel (``route``): one token, tables in an mma layout;
+    ValueError by name otherwise."""
+    if n_tokens != 1:
+        raise ValueError(f"route: the experts route in-kernel only one-token steps, got {n_tokens} tokens")
+    if fmt not in MMA_CODES:
+        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
+
+
 def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool,
                     fma: bool = False) -> _Weights:
     fmt = table.fmt
@@ -298,8 +307,6 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
                                   t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route)
-    if route is not None:
-        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -365,6 +372,8 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     top_k = ids.shape[1]
     t13_w, t2_w, s13, s2 = _checked_tables(hidden, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
                                            shared_w2, shared_w2_scale, num_routed_experts)
+    if route is not None:
+        _check_route(n, t13_w.fmt)
     inter = t13_w.rows // 2
     separate = s13 is not None
     fused = t13_w.w.shape[0] == num_routed_experts + 1
@@ -432,12 +441,9 @@ def routes_in_kernel(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor |
     one-token steps on expert tables in an mma layout (their kernels take the choice from registers),
     unless MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (read at every call: A/B runs switch it between rounds; the
     router's top-k launch then runs as in the unfused chain)."""
-    return os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") != "0" and _routable(n_tokens, w13, w13_scale)
-
-
-def _routable(n_tokens: int, w13: torch.Tensor, w13_scale: torch.Tensor | None) -> bool:
-    """The steps the expert kernels can route in-kernel: one token, tables in an mma layout."""
-    return n_tokens == 1 and check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
+    if n_tokens != 1 or os.environ.get("MINIMAX_OPS_ROUTE_IN_EXPERTS") == "0":
+        return False
+    return check_weight("w13", w13, w13_scale, None, w13.device, rank=3).layout.code in MMA_CODES
 
 
 def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
@@ -455,13 +461,10 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
-    # Checked here too (moe_experts checks them again), so that a refused step launches nothing.
-    _checked_tables(h.shape[1], w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-                    shared_w2_scale, num_routed_experts)
-    if h.shape[0] != 1:
-        raise ValueError(f"route: the experts route in-kernel only one-token steps, got {h.shape[0]} tokens")
-    if not _routable(1, w13, w13_scale):
-        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
+    # Checked before the router's launch (moe_experts checks them again), so a refused step launches nothing.
+    t13_w, *_ = _checked_tables(h.shape[1], w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                                shared_w2_scale, num_routed_experts)
+    _check_route(h.shape[0], t13_w.fmt)
     logits = router.router_logits(h, gate, pdl=pdl)
     ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
