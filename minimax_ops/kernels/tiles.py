@@ -186,12 +186,14 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # slower at one token in the seventeenth session).
 # mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two (by the
 # warps), gate then up, both kernels at 128 registers (4 programs per SM).
-# One-token w2 (both formats) holds three load steps in registers, x loaded at each product (block_stream's
-# RING 3; twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs).
+# One-token MXFP4 w2 holds three load steps in registers, x loaded at each product (block_stream's RING 3;
+# twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs). One-token
+# MXFP8 w2 holds two again since its kernel makes the router's top-k (the registers the third step needs;
+# thirty-third session's A/B).
 _MMA_EXPERT_TILES = {
     (False, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), True),
     (False, False): ((4, 2, 0, 1, 128), (4, 2, 0, 1, 128), True),
-    (True, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), False),
+    (True, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False),
     (True, False): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False),
 }
 
