@@ -406,12 +406,14 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
 
 
-def test_one_token_w2_ring_by_format():
-    """The table's one-token MXFP4 w2 tiles take the three-step ring, MXFP8's the plain one; larger
-    steps and w13 the plain one; the portable tiles always the plain one."""
-    assert mma_expert_tiles(3072, False, one_token=True).ring == 3
-    assert mma_expert_tiles(3072, False, fp8=True, one_token=True).ring == 2
+def test_one_token_w2_ring():
+    """The table's one-token w2 tiles take the three-step ring in both formats, but MXFP8's w2 that
+    makes the router's top-k itself (routed) the plain one; larger steps and w13 the plain one; the
+    portable tiles always the plain one."""
+    assert mma_expert_tiles(3072, False, one_token=True, routed=True).ring == 3
+    assert mma_expert_tiles(3072, False, fp8=True, one_token=True, routed=True).ring == 2
     for fp8 in (False, True):
+        assert mma_expert_tiles(3072, False, fp8=fp8, one_token=True).ring == 3
         assert mma_expert_tiles(3072, False, fp8=fp8).ring == 2
         assert mma_expert_tiles(6144, True, fp8=fp8, one_token=True).ring == 2
         assert portable_mma_tiles(mma_expert_tiles(3072, False, fp8=fp8, one_token=True)).ring == 2

@@ -389,8 +389,9 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     inter_max = max(inter, inter_shared) if merge else inter
     if tiles is None:
         k2 = math.gcd(inter, inter_shared) if merge else inter  # BLOCK_K must divide both
-        t13 = expert_tiles(t13_w.fmt, hidden, 2 * inter_max, slots, True, sms, n_tokens=n)
-        t2 = expert_tiles(t2_w.fmt, k2, hidden, slots, False, sms, n_tokens=n)
+        routed = route is not None
+        t13 = expert_tiles(t13_w.fmt, hidden, 2 * inter_max, slots, True, sms, n_tokens=n, routed=routed)
+        t2 = expert_tiles(t2_w.fmt, k2, hidden, slots, False, sms, n_tokens=n, routed=routed)
     else:
         t13, t2 = tiles
     t13, t2 = _with_tiles(t13, t13_w), _with_tiles(t2, t2_w)

@@ -439,9 +439,9 @@ def aot_specs() -> list[KernelSpec]:
         slot table; route: the one-token step routed in-kernel (with a bias)."""
         hidden, inter, n_routed, top_k = size
         shared_slot, shared_separate, shared_only = _MODES[mode]
-        t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1)
+        t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1, routed=route)
         paired = t13.paired
-        t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1)
+        t2 = mma_expert_tiles(inter, False, fp8=fp8, one_token=n_tokens == 1, routed=route)
         t13, t2 = (t13, t2) if ptx else (portable_mma_tiles(t13), portable_mma_tiles(t2))
         preload = preloads(n_tokens)
         table = slot_tables(shared_only, n_tokens, compact)

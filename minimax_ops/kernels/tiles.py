@@ -149,12 +149,13 @@ _FMA_EXPERT_TILES = {FMT_BF16: ((32, 128), (32, 128)), FMT_MXFP8: ((64, 128), (6
 
 
 def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: int,
-                 can_split: bool = True, n_tokens: int = 16) -> ExpertTiles:
+                 can_split: bool = True, n_tokens: int = 16, routed: bool = False) -> ExpertTiles:
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
-    A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles``."""
+    A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles`` (``routed``
+    as there)."""
     if fmt in MMA_CODES:
-        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, one_token=n_tokens == 1)
+        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, one_token=n_tokens == 1, routed=routed)
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -186,16 +187,19 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
 # slower at one token in the seventeenth session).
 # mxfp8_mma from the H200 sweep, then A/B in the fused layer: shallow loads, w13 split in two (by the
 # warps), gate then up, both kernels at 128 registers (4 programs per SM).
-# One-token MXFP4 w2 holds three load steps in registers, x loaded at each product (block_stream's RING 3;
-# twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs). One-token
-# MXFP8 w2 holds two again since its kernel makes the router's top-k (the registers the third step needs;
-# thirty-third session's A/B).
+# One-token w2 (both formats) holds three load steps in registers, x loaded at each product (block_stream's
+# RING 3; twenty-second session: ~0.5 us a layer at one token, slower at 16 tokens and for w13 or the GEMVs),
+# except where the kernel also makes the router's top-k (_ROUTED_W2_RING).
 _MMA_EXPERT_TILES = {
     (False, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), True),
     (False, False): ((4, 2, 0, 1, 128), (4, 2, 0, 1, 128), True),
-    (True, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False),
+    (True, True): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128, 3), False),
     (True, False): ((4, 2, 0, 2, 128), (4, 2, 0, 1, 128), False),
 }
+# The load steps a one-token w2 holds where it makes the router's top-k itself (moe.routed_moe_experts), by
+# mxfp8_mma: MXFP8's two (the top-k takes the registers of the third: thirty-third session's A/B), MXFP4's
+# the table's.
+_ROUTED_W2_RING = {True: 2}
 
 
 # mma-layout GEMV (linear_mma.py, qkv_mma.py): (row blocks per program, blocks per load step, L2 prefetch
@@ -255,15 +259,18 @@ def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool, warp_split: bool = Tru
 
 @functools.lru_cache(maxsize=None)
 def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False,
-                     one_token: bool = False) -> ExpertTiles:
+                     one_token: bool = False, routed: bool = False) -> ExpertTiles:
     """Tiles of an mma-layout expert launch (_MMA_EXPERT_TILES: by format and whether the step has
     one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps warps
     per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks; per
     matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
     distance, ring the load steps held in registers (a table entry's optional sixth field, else 2);
-    w13's K splits made by the program's warps where they can (``split_in_warps``), w2's by the grid."""
+    w13's K splits made by the program's warps where they can (``split_in_warps``), w2's by the grid;
+    ``routed``: the one-token kernels that make the router's top-k themselves (_ROUTED_W2_RING)."""
     w13_tiles, w2_tiles, paired = _MMA_EXPERT_TILES[(fp8, one_token)]
     warps, depth, prefetch, split, max_registers, *ring = w13_tiles if w13 else w2_tiles
+    if routed and one_token and not w13 and fp8 in _ROUTED_W2_RING:
+        ring = [_ROUTED_W2_RING[fp8]]
     split = split if can_split else 1
     blocks = k // MMA_K
     while split > 1 and blocks % split:
