@@ -159,3 +159,22 @@ def test_the_ffn_step_launches_through_the_stage_functions(device, monkeypatch):
     two = step(h, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
     assert calls == ["route"]
     assert rel_err(two, routed) < 2e-3
+
+
+def test_the_in_kernel_step_takes_the_routed_tiles(device, monkeypatch):
+    """routed_moe_experts asks for the tiles of kernels that make the top-k themselves (tiles.
+    _ROUTED_W2_RING), moe_experts fed the router's ids for the plain ones."""
+    from minimax_ops.kernels import moe
+
+    torch.manual_seed(47)
+    _, mma = _tables(device, "mxfp4", "separate")
+    h = torch.randn(1, H, device=device).bfloat16()
+    gate, gate_bias = _gate(device, True)
+    asked = []
+    tiles_ = moe.expert_tiles
+    monkeypatch.setattr(moe, "expert_tiles", lambda *a, **k: asked.append(k["routed"]) or tiles_(*a, **k))
+    routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
+    assert asked == [True, True]
+    weights, ids = router.route(h, gate, gate_bias, K, SCALING)
+    moe_experts(h, ids, weights, *mma, num_routed_experts=E)
+    assert asked == [True, True, False, False]
