@@ -8,7 +8,9 @@ Besides environment variables a variant may set the mxfp4_mma expert tiles of ev
 (kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired[/ring]`` and ``W2=depth/prefetch/split/cap[/ring]``
 (cap: ptxas register cap, 0 none; paired 1: gate and up blocks in one stream, the depth then per matrix;
 ring: load steps held in registers, 2 or 3, 2 if left out),
-``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables, the mxfp8_mma GEMV tiles (qkv, o_proj):
+``W13F8`` / ``W2F8`` the same for the mxfp8_mma expert tables (the one-token w2 that makes the router's top-k
+holds tiles._ROUTED_W2_RING's steps whatever W2F8's ring: ``RW2F8=ring`` sets that, 0 the table's), the mxfp8_mma
+GEMV tiles (qkv, o_proj):
 ``LIN=row blocks/depth/prefetch/cap/streams per SM``, fixed tiles of one of them: ``QKV=`` / ``OPROJ=warps/depth/
 grid splits/cap[/warp splits]``, the
 router's tile: ``ROUTER=experts/H``, ``WS=gemv+w13``: the kernels whose K splits the programs' warps
@@ -64,9 +66,10 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 # Knobs a variant sets besides environment variables, and what each patches (restored after the variant).
-_KNOBS = ("W13", "W2", "W13F8", "W2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1",
+_KNOBS = ("W13", "W2", "W13F8", "W2F8", "RW2F8", "LIN", "ROUTER", "TWO", "QKV", "OPROJ", "ATTN", "SHORT", "WS", "QKV1",
           "CARVE", "SCORE")
 _BASE_EXPERT_TILES = dict(tiles._MMA_EXPERT_TILES)
+_BASE_ROUTED_RING = dict(tiles._ROUTED_W2_RING)
 _BASE_LINEAR = (tiles._MMA_LINEAR_TILES[True], tiles._MMA_LINEAR_WARPS_PER_SM)
 _BASE_ROUTER = router.router_config
 _BASE_TWO_GROUPS = moe_mma._two_groups
@@ -89,6 +92,17 @@ def _set_expert_tiles(w13: str | None, w2: str | None, fp8: bool = False) -> Non
             d, pf, sp, cap, *ring = map(int, w2.split("/"))
             t2 = (t2[0], d, pf, sp, cap, *ring)
         tiles._MMA_EXPERT_TILES[key] = (t13, t2, paired)
+    tiles.mma_expert_tiles.cache_clear()
+
+
+def _set_routed_ring(ring: str | None) -> None:
+    """RW2F8: the load steps the routed one-token MXFP8 w2 holds (0: the table's; None: tiles._ROUTED_W2_RING's)."""
+    tiles._ROUTED_W2_RING.clear()
+    tiles._ROUTED_W2_RING.update(_BASE_ROUTED_RING)
+    if ring is not None:
+        tiles._ROUTED_W2_RING.pop(True, None)
+        if int(ring):
+            tiles._ROUTED_W2_RING[True] = int(ring)
     tiles.mma_expert_tiles.cache_clear()
 
 
@@ -195,6 +209,7 @@ class _Env:
     def _apply(knobs: dict) -> None:
         _set_expert_tiles(knobs["W13"], knobs["W2"])
         _set_expert_tiles(knobs["W13F8"], knobs["W2F8"], fp8=True)
+        _set_routed_ring(knobs["RW2F8"])
         _set_fp8_linear_tiles(knobs["LIN"])
         _set_router_tiles(knobs["ROUTER"])
         _set_two_groups(knobs["TWO"])
