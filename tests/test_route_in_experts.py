@@ -14,7 +14,7 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.formats import quantize, to_mma_layout
-from minimax_ops.kernels import decode_layer, router
+from minimax_ops.kernels import decode_layer, moe, router
 from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_kernel
 from utils import rel_err
 
@@ -45,6 +45,14 @@ def _tables(device, fmt, shared, hidden=H, inter=I):
 def _gate(device, bias, hidden=H):
     gate = (torch.randn(E, hidden) * 0.05).to(device)
     return gate, (torch.randn(E) * 0.5).to(device) if bias else None
+
+
+def _one_token_step(device, seed):
+    """(canonical tables, mma tables, h, gate, gate bias) of a one-token MXFP4 step, shared expert apart."""
+    torch.manual_seed(seed)
+    canonical, mma = _tables(device, "mxfp4", "separate")
+    h = torch.randn(1, H, device=device).bfloat16()
+    return canonical, mma, h, *_gate(device, True)
 
 
 def test_router_logits_are_the_fp32_products(device):
@@ -131,10 +139,7 @@ def test_other_steps_and_layouts_are_not_routed_in_kernel(device, monkeypatch):
 def test_the_fused_layers_ffn_step_matches_the_reference(device):
     """decode_layer's router + experts step (the fused layer's, routed in the experts) against the fp32
     reference of the router and experts."""
-    torch.manual_seed(31)
-    canonical, mma = _tables(device, "mxfp4", "separate")
-    h = torch.randn(1, H, device=device).bfloat16()
-    gate, gate_bias = _gate(device, True)
+    canonical, mma, h, gate, gate_bias = _one_token_step(device, 31)
     out = decode_layer.kernel_stages().routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, E, 1.702, 7.0)
     weights, ids = ref.route(h, gate, gate_bias, K, SCALING)
     assert rel_err(out, ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)) < 1.5e-2
@@ -143,10 +148,7 @@ def test_the_fused_layers_ffn_step_matches_the_reference(device):
 def test_the_ffn_step_launches_through_the_stage_functions(device, monkeypatch):
     """Off the in-kernel path the step's router is decode_layer._route (benchmarks/stage_removal.py
     replaces it); on it, router.route is not called."""
-    torch.manual_seed(41)
-    _, mma = _tables(device, "mxfp4", "separate")
-    h = torch.randn(1, H, device=device).bfloat16()
-    gate, gate_bias = _gate(device, True)
+    _, mma, h, gate, gate_bias = _one_token_step(device, 41)
     calls = []
     route_ = decode_layer._route
     monkeypatch.setattr(decode_layer, "_route", lambda *a: calls.append("route") or route_(*a))
@@ -164,12 +166,7 @@ def test_the_ffn_step_launches_through_the_stage_functions(device, monkeypatch):
 def test_the_in_kernel_step_takes_the_routed_tiles(device, monkeypatch):
     """routed_moe_experts asks for the tiles of kernels that make the top-k themselves (tiles.
     _ROUTED_W2_RING), moe_experts fed the router's ids for the plain ones."""
-    from minimax_ops.kernels import moe
-
-    torch.manual_seed(47)
-    _, mma = _tables(device, "mxfp4", "separate")
-    h = torch.randn(1, H, device=device).bfloat16()
-    gate, gate_bias = _gate(device, True)
+    _, mma, h, gate, gate_bias = _one_token_step(device, 47)
     asked = []
     tiles_ = moe.expert_tiles
     monkeypatch.setattr(moe, "expert_tiles", lambda *a, **k: asked.append(k["routed"]) or tiles_(*a, **k))
