@@ -281,15 +281,6 @@ def _checked_tables(hidden: int, w13, w13_scale, w2, w2_scale, shared_w13, share
     return t13_w, t2_w, s13, s2
 
 
-def _check_route(n_tokens: int, fmt: int) -> None:
-    """The steps the expert kernels can route in-kernel (``route``): one token, tables in an mma layout;
-    ValueError by name otherwise."""
-    if n_tokens != 1:
-        raise ValueError(f"route: the experts route in-kernel only one-token steps, got {n_tokens} tokens")
-    if fmt not in MMA_CODES:
-        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
-
-
 def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, name: str, ptx: bool,
                     fma: bool = False) -> _Weights:
     fmt = table.fmt
@@ -348,8 +339,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 shared_w13: torch.Tensor | None = None, shared_w13_scale: torch.Tensor | None = None,
                 shared_w2: torch.Tensor | None = None, shared_w2_scale: torch.Tensor | None = None, *,
                 num_routed_experts: int, alpha: float = 1.702, limit: float = 7.0,
-                tiles: tuple[ExpertTiles, ExpertTiles] | None = None, pdl: bool = False,
-                route: tuple | None = None) -> torch.Tensor:
+                tiles: tuple[ExpertTiles, ExpertTiles] | None = None, pdl: bool = False) -> torch.Tensor:
     """out [n, H] bf16 = shared(h) + sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(h).
 
     w13 [E', 2I, H] (gate rows then up rows) and w2 [E', H, I] in any layout of formats.LAYOUTS
@@ -357,8 +347,7 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     num_routed_experts (E' = num_routed + 1), or shared_w13 [2Is, H] / shared_w2 [H, Is] in their
     own formats, or absent. Ids outside [0, num_routed_experts) are ignored. ``tiles`` overrides
     the (w13, w2) tile heuristic (tuning, tests). ``pdl``: launch as programmatic dependents
-    (CUDA sm_90+ only). ``route`` (routed_moe_experts): the router's (logits, bias, scaling); topk_ids /
-    topk_weights are then buffers the expert kernels fill."""
+    (CUDA sm_90+ only)."""
     check_rows("h", h, shape="[n, H]", dim="H")
     n, hidden = h.shape
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -366,14 +355,22 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights: expected fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
                          f"{tuple(topk_weights.shape)}")
+    tables = _checked_tables(hidden, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                             shared_w2_scale, num_routed_experts)
+    return _run_experts(h, topk_ids.to(torch.int32).contiguous(), topk_weights.contiguous(), tables,
+                        num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, tiles=tiles, pdl=pdl)
+
+
+def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, tables: tuple, *,
+                 num_routed_experts: int, alpha: float, limit: float, tiles: tuple[ExpertTiles, ExpertTiles] | None,
+                 pdl: bool, route: tuple | None = None) -> torch.Tensor:
+    """moe_experts on checked inputs: ids int32 / topk_weights fp32 contiguous [n, k], ``tables``
+    _checked_tables'. ``route`` (routed_moe_experts, a one-token step on mma-layout tables): the router's
+    (logits, bias, scaling); ids / topk_weights are then buffers the expert kernels fill."""
+    n, hidden = h.shape
     pdl = pdl and pdl_supported(h.device)
-    ids = topk_ids.to(torch.int32).contiguous()
-    topk_weights = topk_weights.contiguous()
     top_k = ids.shape[1]
-    t13_w, t2_w, s13, s2 = _checked_tables(hidden, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
-                                           shared_w2, shared_w2_scale, num_routed_experts)
-    if route is not None:
-        _check_route(n, t13_w.fmt)
+    t13_w, t2_w, s13, s2 = tables
     inter = t13_w.rows // 2
     separate = s13 is not None
     fused = t13_w.w.shape[0] == num_routed_experts + 1
@@ -462,16 +459,19 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
-    # Checked before the router's launch (moe_experts checks them again), so a refused step launches nothing.
-    t13_w, *_ = _checked_tables(h.shape[1], w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-                                shared_w2_scale, num_routed_experts)
-    _check_route(h.shape[0], t13_w.fmt)
+    # Checked before the router's launch, so a refused step launches nothing.
+    tables = _checked_tables(h.shape[1], w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                             shared_w2_scale, num_routed_experts)
+    if h.shape[0] != 1:
+        raise ValueError(f"route: the experts route in-kernel only one-token steps, got {h.shape[0]} tokens")
+    if tables[0].fmt not in MMA_CODES:
+        raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
     logits = router.router_logits(h, gate, pdl=pdl)
     ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
-    return moe_experts(h, ids, weights, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
-                       shared_w2_scale, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=pdl,
-                       route=(logits, None if gate_bias is None else gate_bias.contiguous(), scaling))
+    return _run_experts(h, ids, weights, tables, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit,
+                        tiles=None, pdl=pdl, route=(logits, None if gate_bias is None else gate_bias.contiguous(),
+                                                    scaling))
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
