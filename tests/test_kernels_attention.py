@@ -508,45 +508,6 @@ def test_index_sparse_attention_splits(num_splits):
     assert_attention_close(out, expected, f"{num_splits} splits")
 
 
-CLUSTERS = DEVICE == "cuda" and attention.clusters_supported(torch.device(DEVICE))
-
-
-@pytest.mark.skipif(not CLUSTERS, reason="cluster launches need an NVIDIA sm_90+ GPU")
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("cluster", [2, 4])
-@pytest.mark.parametrize("step", ["n1_q1", "n4_q1", "n4_q2", "n8_q2"])
-def test_index_sparse_attention_cluster_merge(step, cluster, pdl):
-    """The splits of a (token, kv head) as one cluster merging in shared memory: against the split +
-    merge kernels and the reference, padding rows zero."""
-    meta, query_len, kv, index, q, index_q = index_attention_inputs(step, FP8, seed=15 + cluster)
-    args = (meta.block_table, meta.seq_lens)
-    assert attention.merge_cluster(q.device, H // KVH, cluster, cluster) == cluster
-    scores = index_topk.index_scores(index_q, index, *args, query_len)
-    out = attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, TOPK, *scales(FP8), pdl=pdl,
-                                                  cluster=cluster)
-    assert out.dtype == torch.bfloat16 and out.shape == (meta.num_tokens, H * D)
-    plain = attention.index_sparse_attention_decode(q, scores, kv, *args, query_len, TOPK, *scales(FP8), cluster=0)
-    assert_attention_close(out, plain.float(), f"{step}: cluster {cluster} vs split + merge")
-    expected = ref.sparse_attention(q, kv, *args, ref.index_topk(index_q, index, *args, query_len, TOPK), query_len,
-                                    *scales(FP8))
-    assert_attention_close(out, expected, f"{step}: cluster {cluster} vs reference")
-    assert_padding_rows_zero(out, meta, query_len)
-
-
-def test_merge_cluster_rule():
-    """Where a cluster merges: a power of two >= 2 dividing the kv head's query heads, no more programs
-    than the launch rule's splits, on NVIDIA sm_90+ only; bad sizes are refused by name."""
-    dev = torch.device(DEVICE)
-    assert attention.merge_cluster(dev, 16, 32, 16) == (16 if CLUSTERS else 0)
-    assert attention.merge_cluster(dev, 16, 9, 16) == 0  # fewer splits than programs: split + merge
-    assert attention.merge_cluster(dev, 4, 32, 8) == 0  # does not divide the group
-    assert attention.merge_cluster(dev, 16, 32, 0) == 0
-    assert attention.merge_cluster(torch.device("cpu"), 16, 32, 16) == 0
-    for bad in (3, -2, 32):
-        with pytest.raises(ValueError, match="cluster"):
-            attention.merge_cluster(dev, 16, 32, bad)
-
-
 @pytest.mark.parametrize("no_select", [False, True], ids=["select", "no_select"])
 def test_kernel_stage_index_sparse_attention(monkeypatch, no_select):
     """decode_layer's combined stage: the score pass and the selecting attention, or with

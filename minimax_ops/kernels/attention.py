@@ -33,15 +33,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .cluster import (MAX_CLUSTER, cluster_arrive, cluster_wait, clusters_supported, launch_clustered,
-                      load_cluster_shared, shared_buffer, store_shared)
 from .index_topk import select_blocks_row, topk_widths
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
@@ -55,33 +52,22 @@ _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several
 
 @triton.jit
 def _attention_split_kernel(
-        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
-        stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih, stride_on,
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr,
+        stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
         SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, PAGES: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False, CLUSTER: tl.constexpr = 0,
-        NUM_WARPS: tl.constexpr = 4):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
-    # CLUSTER (CUDA sm_90+): the splits of a (token, kv head) are one cluster of CLUSTER programs that
-    # merge their partials in shared memory and store out_ptr's bf16 rows (stride_on) themselves; the
-    # grid is (KVH * CLUSTER, n) and num_splits == CLUSTER. Otherwise the grid is (n, KVH, splits), the
-    # partials go to part_acc_ptr / part_ml_ptr and _attention_merge_kernel stores the rows.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
-    if CLUSTER:
-        tok = tl.program_id(1)
-        kv_head = tl.program_id(0) // CLUSTER
-        split = tl.program_id(0) % CLUSTER  # the program's rank in its cluster
-        num_heads = tl.num_programs(0) // CLUSTER * GROUP
-    else:
-        tok = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        num_heads = tl.num_programs(1) * GROUP
+    tok = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // BLOCK_N
     req = tok // QUERY_LEN
     kv_len = tl.load(seq_lens_ptr + req) - QUERY_LEN + tok % QUERY_LEN + 1
@@ -181,66 +167,11 @@ def _attention_split_kernel(
         p = p if DOT_FP32 else p.to(tl.float16 if F16 else tl.bfloat16)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
-    if CLUSTER:
-        _cluster_merge(acc * v_scale, m_i, l_i, out_ptr + tok.to(tl.int64) * stride_on + kv_head * GROUP * HEAD_DIM,
-                       split, BLOCK_G, HEAD_DIM, GROUP // CLUSTER, CLUSTER, NUM_WARPS)
-    else:
-        row = ((tok * num_heads + kv_head * GROUP + g).to(tl.int64)) * num_splits + split  # [n, H, S] index
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_scale, mask=g_ok[:, None])
-        parts = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
-        tl.store(part_ml_ptr + row, m_i, mask=g_ok)
-        tl.store(part_ml_ptr + parts + row, l_i, mask=g_ok)
-
-
-@triton.constexpr_function
-def _merge_asm(cluster):
-    """PTX of one merged output value from the cluster's CLUSTER partials: $1 this program's buffer,
-    $2 / $3 / $4 the byte offsets of the value's acc, its head's max and its head's sum (the same in
-    every program's buffer). All loads first (one round trip), then the merge kernel's arithmetic:
-    weights 2^(m - max) (empty splits, m = -inf, weigh 0), sum(w * acc) / sum(w * l) (0 where nothing
-    was seen: padding rows)."""
-    regs = ", ".join(f"a{c}, m{c}, l{c}" for c in range(cluster))
-    text = [f"{{\n.reg .b32 rb, ra;\n.reg .f32 {regs}, mx, w, s, acc;\n.reg .pred p;\n"]
-    for c in range(cluster):
-        text.append(f"mapa.shared::cluster.u32 rb, $1, {c};\n")
-        for reg, off in (("a", "$2"), ("m", "$3"), ("l", "$4")):
-            text.append(f"add.u32 ra, rb, {off};\nld.shared::cluster.f32 {reg}{c}, [ra];\n")
-    text.append("mov.f32 mx, m0;\n" + "".join(f"max.f32 mx, mx, m{c};\n" for c in range(1, cluster)))
-    text.append("setp.eq.f32 p, mx, 0fFF800000;\nselp.f32 mx, 0f00000000, mx, p;\n"
-                "mov.f32 s, 0f00000000;\nmov.f32 acc, 0f00000000;\n")
-    for c in range(cluster):
-        text.append(f"sub.f32 w, m{c}, mx;\nex2.approx.ftz.f32 w, w;\nfma.rn.f32 s, w, l{c}, s;\n"
-                    f"fma.rn.f32 acc, w, a{c}, acc;\n")
-    text.append("setp.gt.f32 p, s, 0f00000000;\nselp.f32 s, s, 0f3F800000, p;\ndiv.rn.f32 $0, acc, s;\n}")
-    return "".join(text)
-
-
-@triton.jit
-def _cluster_merge(acc, m_i, l_i, out_ptr, rank, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HEADS: tl.constexpr, CLUSTER: tl.constexpr, NUM_WARPS: tl.constexpr):
-    """The merge kernel's arithmetic inside a cluster: each program puts its partial (acc [BLOCK_G, D],
-    max, sum of its kv head's query heads) in its shared buffer; after one cluster barrier, program
-    ``rank`` merges query heads rank * HEADS .. of every program's buffer (``_merge_asm``) and stores
-    their bf16 rows at out_ptr (the kv head's first query head). A second barrier keeps every buffer
-    alive until the cluster's reads are done."""
-    NT: tl.constexpr = NUM_WARPS * 32
-    ML: tl.constexpr = BLOCK_G * HEAD_DIM  # where the maxima start (fp32 words), the sums BLOCK_G later
-    base = shared_buffer((ML + 2 * BLOCK_G) * 4)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    store_shared(base + (g[:, None] * HEAD_DIM + d[None, :]) * 4, acc)
-    store_shared(base + (ML + g) * 4, m_i)
-    store_shared(base + (ML + BLOCK_G + g) * 4, l_i)
-    cluster_arrive(NT)
-    cluster_wait(NT)
-    h = rank * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
-    o = tl.inline_asm_elementwise(
-        _merge_asm(CLUSTER), "=f,r,r,r,r",
-        [base + 0 * h, (h * HEAD_DIM + d[None, :]) * 4, (ML + h + 0 * d[None, :]) * 4, (ML + BLOCK_G + h) * 4],
-        dtype=tl.float32, is_pure=False, pack=1)
-    cluster_arrive(NT)
-    tl.store(out_ptr + h * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty))
-    cluster_wait(NT)
+    row = ((tok * num_heads + kv_head * GROUP + g).to(tl.int64)) * num_splits + split  # [n, H, S] index
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_scale, mask=g_ok[:, None])
+    parts = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
+    tl.store(part_ml_ptr + row, m_i, mask=g_ok)
+    tl.store(part_ml_ptr + parts + row, l_i, mask=g_ok)
 
 
 @triton.jit
@@ -297,8 +228,7 @@ def _target_programs(device: torch.device, dense: bool) -> int:
 
 # The split kernel's launch (benchmarks/sweep_attention.py sweeps it): programs per SM, pipeline stages
 # (3 double-buffers a sparse program's K / V tiles, and measured slower than 2 in the layer: BENCHMARKS.md).
-# "cluster": programs of a cluster that merges the in-kernel-selection splits in shared memory (merge_cluster).
-SPLIT_LAUNCH = {"sparse_per_sm": 2, "dense_per_sm": 4, "num_stages": 2, "cluster": 16}
+SPLIT_LAUNCH = {"sparse_per_sm": 2, "dense_per_sm": 4, "num_stages": 2}
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -340,23 +270,8 @@ def _check_common(q, kv_cache, block_table, seq_lens, query_len):
           f"q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
 
 
-def merge_cluster(device: torch.device, group: int, num_splits: int, cluster: int | None = None) -> int:
-    """Programs a cluster of the in-kernel-selection splits (``index_sparse_attention_decode``) merges in
-    shared memory, 0 for the split + merge kernels. ``cluster`` None: SPLIT_LAUNCH["cluster"], or
-    MINIMAX_OPS_ATTN_CLUSTER=N (read at every call: a CUDA graph keeps the form it was captured with).
-    A cluster needs NVIDIA sm_90+, a size (a power of two >= 2) that divides the kv head's query heads,
-    and at least as many splits from the launch rule as it has programs (larger steps keep their splits)."""
-    if cluster is None:
-        cluster = int(os.environ.get("MINIMAX_OPS_ATTN_CLUSTER", SPLIT_LAUNCH["cluster"]))
-    if cluster < 0 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
-        raise ValueError(f"cluster: expected 0 or a power of two up to {MAX_CLUSTER}, got {cluster}")
-    if cluster < 2 or group % cluster or num_splits < cluster or not clusters_supported(device):
-        return 0
-    return cluster
-
-
 def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl, block_ids=None,
-            scores=None, topk=0, cluster=None):
+            scores=None, topk=0):
     """Split + merge launches. The selection: block_ids (sparse), scores + topk (SELECT), neither (dense)."""
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -377,32 +292,23 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
     num_splits = max(1, min(num_splits, max_tiles))
     if not dense:  # drop splits that would get no tile
         num_splits = triton.cdiv(sparse_tiles, triton.cdiv(sparse_tiles, num_splits))
-    if select:
-        cluster = merge_cluster(q.device, group, num_splits, cluster)
-        num_splits = cluster or num_splits
-    else:
-        cluster = 0
-    parts = (0, 0) if cluster else (n, num_splits)  # a cluster merges in shared memory
-    part_acc = torch.empty(parts[0], heads, parts[1], dim, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(2, parts[0], heads, parts[1], dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(n, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     sel = scores if select else block_table if dense else block_ids  # dense: a typed stand-in, never read
     block_topk = 1 if dense else triton.next_power_of_2(topk)
     short, chunk = topk_widths(scores.shape[2], block_topk) if select else (1, 1)
     pdl = pdl and pdl_supported(q.device)
-    args = (q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml, out,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0, out.stride(0),
-            sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale))
-    meta = dict(QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
-                BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
-                PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
-                F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
-                PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", CLUSTER=cluster,
-                NUM_WARPS=4, num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
-    if cluster:
-        launch_clustered(_attention_split_kernel, (kv_heads, n, 1), cluster, *args, **meta)
-        return out
-    _attention_split_kernel[(n, kv_heads, num_splits)](*args, **meta)
+    _attention_split_kernel[(n, kv_heads, num_splits)](
+        q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
+        sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
+        QUERY_LEN=query_len, GROUP=group, BLOCK_G=_block_g(group), HEAD_DIM=dim, BLOCK_SIZE=block_size,
+        BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
+        PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
+        F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
+        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
+        num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
@@ -429,17 +335,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, topk: int,
                                   k_scale: float = 1.0, v_scale: float = 1.0, *,
-                                  num_splits: int | None = None, pdl: bool = False,
-                                  cluster: int | None = None) -> torch.Tensor:
+                                  num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """sparse_attention_decode over index_topk's selection made in-kernel: scores fp32 [n, KVH, W] are
     the indexer's block scores (kernels/index_topk.py ``index_scores``, index head h serving kv head h,
     W = block_table's width); each token's kv head attends over the blocks index_topk would choose
     (the local block and the best others, topk at most). Equal to index_topk + sparse_attention_decode
-    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait.
-    cluster: programs of a cluster whose splits merge in shared memory (``merge_cluster``; None: its rule,
-    0 where num_splits is given; 0: the split and merge kernels)."""
-    if cluster is None and num_splits is not None:
-        cluster = 0
+    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait."""
     _check_common(q, kv_cache, block_table, seq_lens, query_len)
     n, kv_heads, width = q.shape[0], kv_cache.shape[1], block_table.shape[1]
     _need(scores.dim() == 3 and scores.shape == (n, kv_heads, width) and scores.dtype == torch.float32
@@ -448,7 +349,7 @@ def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cach
           f"contiguous last dimension, got {scores.dtype} shape {tuple(scores.shape)}")
     _need(topk >= 1, f"topk: expected >= 1, got {topk}")
     return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl,
-                   scores=scores, topk=topk, cluster=cluster)
+                   scores=scores, topk=topk)
 
 
 def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -478,17 +379,15 @@ def aot_specs() -> list[KernelSpec]:
                         _attention_split_kernel,
                         {"q_ptr": "*bf16", "kv_ptr": kv_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                          "select_ptr": "*fp32" if select else "*i32", "part_acc_ptr": "*fp32",
-                         "part_ml_ptr": "*fp32", "out_ptr": "*bf16",
+                         "part_ml_ptr": "*fp32",
                          "stride_qn": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
                          "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
-                         "stride_on": "i32",
                          "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
                         {"QUERY_LEN": query_len, "GROUP": group, "BLOCK_G": _block_g(group), "HEAD_DIM": dim,
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
                          "CHUNK": chunk if select else 1, "PAGES": near_pages(width, topk) if select else 1,
-                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select, "CLUSTER": 0,
-                         "NUM_WARPS": 4},
+                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(
@@ -496,13 +395,4 @@ def aot_specs() -> list[KernelSpec]:
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
              "stride_on": "i32"},
             {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
-    specs = with_pdl_variants(specs)
-    # The cluster-merged form (CUDA only, a PDL dependent as the fused layer launches it): the one-token
-    # in-kernel selection of both sizes at the clusters merge_cluster makes of it.
-    for spec in [s for s in specs if s.constexprs.get("SELECT") and s.constexprs["PDL"]
-                 and s.constexprs["QUERY_LEN"] == 1 and s.constexprs["BLOCK_N"] == _tile(s.constexprs["BLOCK_SIZE"])]:
-        group = spec.constexprs["GROUP"]
-        for cluster in sorted({min(SPLIT_LAUNCH["cluster"], group), 2}):
-            specs.append(replace(spec, constexprs={**spec.constexprs, "CLUSTER": cluster},
-                                 name=f"{spec.label()}_cluster{cluster}", targets=("cuda",)))
-    return specs
+    return with_pdl_variants(specs)
