@@ -14,7 +14,7 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.formats import quantize, to_mma_layout
-from minimax_ops.kernels import decode_layer, moe, moe_mma, router
+from minimax_ops.kernels import decode_layer, moe, router
 from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_kernel
 from utils import rel_err
 
@@ -175,45 +175,3 @@ def test_the_in_kernel_step_takes_the_routed_tiles(device, monkeypatch):
     weights, ids = router.route(h, gate, gate_bias, K, SCALING)
     moe_experts(h, ids, weights, *mma, num_routed_experts=E)
     assert asked == [True, True, False, False]
-
-
-def test_one_token_w2_combines_in_clusters(device, monkeypatch):
-    """Where clusters launch (NVIDIA sm_90+) the in-kernel step's w2 combines its slots itself: no combine
-    kernel launches, and the output is the combine kernel's within fp32 reassociation and the reference's
-    within the MX tolerance. Elsewhere, and with MINIMAX_OPS_W2_COMBINE=0, the combine kernel runs."""
-    canonical, mma, h, gate, gate_bias = _one_token_step(device, 53)
-    launched = []
-    kernel = moe._moe_combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(moe, "_moe_combine_kernel", Spy())
-    monkeypatch.delenv("MINIMAX_OPS_W2_COMBINE", raising=False)
-    clusters = moe_mma.cluster_combines(1, K + 1, K, 1, True, h.device)
-    out = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
-    assert len(launched) == (0 if clusters else 1)
-    monkeypatch.setenv("MINIMAX_OPS_W2_COMBINE", "0")
-    plain = routed_moe_experts(h, gate, gate_bias, K, SCALING, *mma, num_routed_experts=E)
-    assert len(launched) == (1 if clusters else 2)
-    assert torch.isfinite(out).all() and rel_err(out, plain) < 2e-3
-    weights, ids = ref.route(h, gate, gate_bias, K, SCALING)
-    assert rel_err(out, ref.moe_experts(h, ids, weights, *canonical, num_routed_experts=E)) < 1.5e-2
-
-
-def test_cluster_combine_rule(monkeypatch):
-    """Only a one-token in-kernel-routed step whose slots are its top-k columns and one shared expert,
-    with w2 unsplit, on a GPU that launches clusters, combines in w2."""
-    monkeypatch.delenv("MINIMAX_OPS_W2_COMBINE", raising=False)
-    cpu = torch.device("cpu")
-    assert not moe_mma.cluster_combines(1, K + 1, K, 1, True, cpu)
-    if torch.cuda.is_available():
-        gpu = torch.device("cuda")
-        supported = moe_mma.clusters_supported(gpu)
-        assert moe_mma.cluster_combines(1, K + 1, K, 1, True, gpu) == supported
-        for args in ((2, K + 1, K, 1, True), (1, K, K, 1, True), (1, K + 1, K, 2, True), (1, K + 1, K, 1, False)):
-            assert not moe_mma.cluster_combines(*args, gpu), args
-        monkeypatch.setenv("MINIMAX_OPS_W2_COMBINE", "0")
-        assert not moe_mma.cluster_combines(1, K + 1, K, 1, True, gpu)

@@ -293,14 +293,11 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
-                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, route=None,
-                    out=None) -> bool:
-    """The w13 and w2 launches; True where w2 stored the combined rows in ``out`` itself (moe_mma's
-    cluster_combines), False where y holds the slots' rows for the combine kernel."""
+                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, route=None):
     if w13.fmt in MMA_CODES:
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
-                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route, out=out)
+                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route)
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -330,7 +327,6 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
         PTX=mxfp4_ptx(w2.fmt, t2.ptx, h.device) and not t2.fma and not w2.tiled,
         K_CHUNKS=t2.k_chunks, SPLIT=t2.split, TILED=w2.tiled, PREFETCH=PREFETCH_BYTES if pdl else 0,
         num_warps=t2.num_warps, num_stages=t2.num_stages, launch_pdl=pdl, **common)
-    return False
 
 
 def _with_tiles(t: ExpertTiles, table: _Table) -> ExpertTiles:
@@ -411,13 +407,10 @@ def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
     ptx13, ptx2 = mxfp4_ptx(t13_w.fmt, t13.ptx, h.device), mxfp4_ptx(t2_w.fmt, t2.ptx, h.device)
     kw13 = _kernel_weights(t13_w, s13 if merge else None, inter_shared, "w13", ptx13, t13.fma)
     kw2 = _kernel_weights(t2_w, s2 if merge else None, inter_shared, "w2", ptx2, t2.fma)
-    combined = _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
-                               shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
-                               alpha=alpha, limit=limit, pdl=pdl,
-                               route=None if route is None else (route[0], route[1], topk_weights, route[2]),
-                               out=None if separate and not merge else out)
-    if combined:
-        return out
+    _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
+                    shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
+                    alpha=alpha, limit=limit, pdl=pdl,
+                    route=None if route is None else (route[0], route[1], topk_weights, route[2]))
     if separate and not merge:
         st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms, n_tokens=n), s13)
         st2 = dataclasses.replace(_with_tiles(expert_tiles(s2.fmt, inter_shared, hidden, 1, False, sms,

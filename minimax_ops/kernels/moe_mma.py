@@ -31,7 +31,6 @@ thousands of programs scanning the step's ids.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 
@@ -46,8 +45,6 @@ from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_
                            swiglu_oai)
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
-from .cluster import (cluster_arrive, cluster_wait, clusters_supported, launch_clustered, load_cluster_shared,
-                      shared_buffer, store_shared)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
@@ -215,29 +212,27 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
 
 
 @triton.jit
-def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr, route_ptr, bias_ptr, out_ptr,
+def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_ptr, route_ptr, bias_ptr,
                    n_tokens, n_pairs, hidden, inter, inter_shared, stride_table, shared_slots,
                    stride_am, stride_acol, stride_we, stride_wb, stride_se, stride_sb, stride_swb, stride_ssb,
-                   stride_ysplit, stride_ym, stride_ycol, scaling,
+                   stride_ysplit, stride_ym, stride_ycol,
                    NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                    SHARED_SLOT: tl.constexpr, SHARED_SEPARATE: tl.constexpr, SHARED_ONLY: tl.constexpr,
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
                    PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2,
-                   ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, COMBINE: tl.constexpr = False):
+                   ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
     for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
     from the step's slot table (complete before w13's routed programs passed their wait). ROUTE: the
     expert from the router's logits (route_ptr), as w13's; complete before w13's routed programs passed
-    their wait too, so also read before this kernel's. COMBINE (a ROUTE step of one grid split, launched
-    as clusters of its TOPK + 1 slots, CUDA sm_90+): the slots of a row group meet in shared memory and
-    the first stores out_ptr's bf16 row (``_cluster_combine``): no y, no combine kernel."""
+    their wait too, so also read before this kernel's."""
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     ids = None
     if ROUTE:
-        ids, id_rows, score_rows = routed_ids(route_ptr, bias_ptr, NW, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
+        ids, _, _ = routed_ids(route_ptr, bias_ptr, NW, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
     expert, row_ptr, compact, first_rank, ranks = program_slot(ids_ptr, ids, table_ptr, stride_table, n_tokens,
                                                                n_pairs, shared_slots, NUM_ROUTED, E_POW2, TOPK, K_POW2,
                                                                SHARED_SLOT, SHARED_ONLY, COMPACT, TABLE, STEP)
@@ -259,7 +254,6 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    y_slot = tl.zeros([NW * 32, 4], dtype=tl.float32)  # COMBINE: the slot's folded fragment
     if (expert >= 0) & (tl.program_id(1) * NW < h_blocks):
         for m0 in range(first_rank, ranks, STEP):
             go, both, first, tok_x, col_x, tok_b, col_b = token_groups(ids_ptr, ids, row_ptr, m0, g, n_tokens,
@@ -278,46 +272,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
-                if COMBINE:
-                    y_slot = fold(acc, NW, DEPTH)
-                else:
-                    _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert,
-                             y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW,
-                             TABLE)
+                _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert, y_ptr,
+                         stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
                     _store_y(fold(acc2, NW, DEPTH), m0 + TOKENS, compact, hidden, ids_ptr, ids, row_ptr, n_tokens,
                              expert, y_ptr, stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2,
                              SHARED_ONLY, NW, TABLE)
-    if COMBINE:
-        _cluster_combine(y_slot, routed_weights(id_rows, score_rows, scaling, TOPK), out_ptr, hidden, TOPK, NW)
-
-
-@triton.jit
-def _cluster_combine(y_slot, weights, out_ptr, hidden, TOPK: tl.constexpr, NW: tl.constexpr):
-    """moe.py's combine for a one-token step inside a cluster of the TOPK + 1 slots of one row group
-    (slot j < TOPK the top-k column j, slot TOPK the shared expert): every slot puts its folded fragment
-    in its shared buffer; after a cluster barrier the first reads them all and stores
-    out = y[shared] + sum over j of weights[j] * y[j], in that order; a second barrier keeps the
-    buffers alive until its reads are done."""
-    NT: tl.constexpr = NW * 32
-    base = shared_buffer(NT * 4 * 4)
-    offs = (tl.arange(0, NT)[:, None] * 4 + tl.arange(0, 4)[None, :]) * 4
-    store_shared(base + offs, y_slot)
-    cluster_arrive(NT)
-    cluster_wait(NT)
-    if tl.program_id(0) == 0:
-        shared = load_cluster_shared(base + offs, TOPK + 0 * offs)
-        acc = tl.zeros([NT, 4], dtype=tl.float32) + shared
-        k = tl.arange(0, weights.shape[0])
-        for j in tl.static_range(TOPK):
-            y = tl.zeros([NT, 4], dtype=tl.float32) + load_cluster_shared(base + offs, j + 0 * offs)
-            acc += tl.sum(tl.where(k == j, weights, 0.0), axis=0) * y
-        cluster_arrive(NT)
-        tok, h_out = _fragment_out(0, NW)
-        tl.store(out_ptr + h_out, acc.to(out_ptr.dtype.element_ty), mask=(tok == 0) & (h_out < hidden))
-    else:
-        cluster_arrive(NT)
-    cluster_wait(NT)
 
 
 def _two_groups(fmt: int, n_tokens: int, ptx: bool) -> bool:
@@ -356,23 +316,14 @@ def _prefetch(t) -> int:
     return max(0, t.num_stages - 1)
 
 
-def cluster_combines(n_tokens: int, slots: int, top_k: int, split: int, route: bool, device: torch.device) -> bool:
-    """Whether w2 combines the slots itself in clusters (``_cluster_combine``): a one-token step routed in-kernel
-    whose slots are its top-k columns and the shared expert, w2 unsplit, on NVIDIA sm_90+; unless
-    MINIMAX_OPS_W2_COMBINE=0 (read at every call: a CUDA graph keeps the form it was captured with)."""
-    return (route and n_tokens == 1 and slots == top_k + 1 and split == 1 and clusters_supported(device)
-            and os.environ.get("MINIMAX_OPS_W2_COMBINE", "1") != "0")
-
-
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
-                       t13, t2, alpha, limit, pdl, route=None, out=None) -> bool:
+                       t13, t2, alpha, limit, pdl, route=None):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
     blocks per load step. ``route`` (one-token steps): (fp32 router logits [1, E], fp32 bias [E] or
     None, the fp32 top-k weights [1, k] to write, scaling): the kernels make the top-k (ROUTE) and w13
-    writes ids and weights; else ids hold the step's choice. With ``out`` (bf16 [n, H]) given, a step
-    that ``cluster_combines`` stores its combined rows there and returns True; else y holds the slots'."""
+    writes ids and weights; else ids hold the step's choice."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -425,20 +376,14 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
-    combine = out is not None and cluster_combines(n, slots, top_k, t2.split, route is not None, h.device)
-    args = (a32, ids, w, s, sw, ss, y, table, *routing[:2], out if combine else h, n, n * top_k, hidden, inter,
-            w2.inter_shared, table.stride(0), shared_slots,
-            a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
-            y.stride(0), y.stride(1), y.stride(2), routing[3])
-    meta = dict(NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
-                RING=t2.ring, COMBINE=combine, num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2),
-                **common)
-    h_groups = triton.cdiv(hidden // 16, nw2)
-    if combine:  # one cluster of the slots per row group
-        launch_clustered(_mma_w2_kernel, (1, h_groups, 1), slots, *args, **meta)
-    else:
-        _mma_w2_kernel[(slots, h_groups, t2.split)](*args, **meta)
-    return combine
+    _mma_w2_kernel[(slots, triton.cdiv(hidden // 16, nw2), t2.split)](
+        a32, ids, w, s, sw, ss, y, table, *routing[:2], n, n * top_k, hidden, inter, w2.inter_shared, table.stride(0),
+        shared_slots,
+        a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
+        y.stride(0), y.stride(1), y.stride(2),
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+        RING=t2.ring,
+        num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -481,9 +426,9 @@ def aot_specs() -> list[KernelSpec]:
              "part_ptr": "*fp32", "cnt_ptr": "*i32", "k_blocks": "i32",
              "stride_hm": "i32", **strides, "stride_am": "i32", "stride_acol": "i32", "stride_psplit": "i32",
              "stride_pm": "i32", "stride_pcol": "i32", "alpha": "fp32", "limit": "fp32"}
-    sig2 = {"a_ptr": "*i32", **common_sig, **routing, "y_ptr": "*fp32", "out_ptr": "*bf16", "hidden": "i32",
-            "stride_am": "i32", "stride_acol": "i32",
-            **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32", "scaling": "fp32"}
+    sig2 = {"a_ptr": "*i32", **common_sig, **routing, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32",
+            "stride_acol": "i32",
+            **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32"}
     specs, seen = [], set()
 
     def launch(fp8, size, mode, ptx, pdl, n_tokens, targets, tables=None, compact=True, w2_targets=None,
@@ -554,10 +499,6 @@ def aot_specs() -> list[KernelSpec]:
     # portable MXFP4 ones (CUDA and HIP), the portable MXFP8 ones at the small size (HIP).
     for fp8 in (False, True):
         launch(fp8, real, "merged", True, True, 1, ("cuda",), route=True)
-        # ... whose w2 combines the slots in clusters (cluster_combines)
-        w2 = specs[-1]
-        specs.append(dataclasses.replace(w2, constexprs={**w2.constexprs, "COMBINE": True},
-                                         name=f"{w2.label()}_combine"))
     launch(False, real, "merged", False, False, 1, (), route=True)
     launch(True, small, "table", False, False, 1, ("hip",), route=True)
     # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
