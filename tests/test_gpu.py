@@ -253,6 +253,34 @@ def test_one_token_routed_in_the_experts(experts, monkeypatch):
     assert mismatches == 0 and rel(first, want) < 2e-2
 
 
+@pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
+def test_one_token_post_norm_deferred(experts, monkeypatch):
+    """A one-token step with the post norm deferred into o_proj, the router and w13 (the default) against
+    MINIMAX_OPS_DEFER_POST_NORM=0 (the norm kernel): the fused layer matches the reference, the norm kernel's
+    path within one bf16 rounding of the experts' input, writes the same residual and caches bit for bit,
+    and its captured graph replays to the same bits."""
+    cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
+                                                    contexts=[21000], query_len=1, seed=13, pad_requests=0)
+    assert meta.num_tokens == 1
+    want, want_res = layer_forward(x, res, w, cache.clone(), meta, cfg)
+    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_DEFER_POST_NORM",
+                                                                     layer, cache, meta, x, res)
+    assert rel(out1, want) < 2e-2 and rel(res1, want_res) < 1e-2 and rel(out1, out0) < 1e-2
+    assert same_bytes(res0, res1) and same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
+    graph = torch.cuda.CUDAGraph()
+    layer.fused_forward(x, res, meta.positions, cache.clone(), meta)
+    with torch.cuda.graph(graph):
+        out, _ = layer.fused_forward(x, res, meta.positions, cache1, meta)
+    graph.replay()
+    first = out.clone()
+    mismatches = 0
+    for _ in range(100):
+        graph.replay()
+        mismatches += int(not torch.equal(out, first))
+    torch.cuda.synchronize()
+    assert mismatches == 0 and rel(first, want) < 2e-2
+
+
 def test_thousand_replays_are_bit_identical():
     """Determinism: 1000 replays of a captured real-size fused layer on the same inputs give the same
     bits (no float atomics, fixed reduction orders), and the caches it rewrites stay identical."""

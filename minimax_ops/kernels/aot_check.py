@@ -214,12 +214,14 @@ def full_signature(spec) -> dict[str, str]:
 
 
 def constexpr_values(spec) -> dict[str, object]:
-    """The spec's constexprs plus the defaults of constexpr parameters it leaves out."""
+    """The spec's constexprs plus the defaults of the parameters it leaves out (a launch that leaves out
+    a defaulted argument passes its default: None pointers of a form the flags turn off, say)."""
     import inspect
     kernel = unwrap(spec.kernel)
     values = {}
     for p in kernel.params:
-        if p.is_constexpr and p.name not in spec.constexprs and p.default is not inspect.Parameter.empty:
+        if (p.name not in spec.constexprs and p.name not in spec.signature
+                and p.default is not inspect.Parameter.empty):
             values[p.name] = p.default
     values.update(spec.constexprs)
     return values
@@ -238,7 +240,7 @@ def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resour
     attrs = None
     if target[0] == "cuda":  # as a launch specialises: 16-byte aligned pointers, strides multiples of 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-                 if kind.startswith("*") or name.startswith("stride")}
+                 if kind.startswith("*") or (name.startswith("stride") and kind != "constexpr")}
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec), attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if spec.max_registers and target[0] == "cuda":

@@ -16,8 +16,10 @@ place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (t
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
 memory), and in place of the route + moe_experts pair ``routed_moe_experts`` (one-token steps on
 mma-layout tables make the router's top-k inside the expert kernels, kernels/moe.py; other steps
-launch the pair); the chain takes each when offered. Inputs were checked by the fused op before the
-first launch.
+launch the pair), and where no all-reduce separates the halves the o_proj + post norm + router +
+experts steps as one, ``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last
+programs, the router and w13, where the step routes in-kernel); the chain takes each when offered.
+Inputs were checked by the fused op before the first launch.
 """
 
 from __future__ import annotations
@@ -74,6 +76,37 @@ def _routed_moe_experts(h, gate, gate_bias, top_k, scaling, w13, w13_scale, w2, 
     return out.float() if out_fp32 else out
 
 
+def defers_post_norm(n_tokens, o_proj, o_proj_scale, w13, w13_scale, shared_w13, shared_w13_scale) -> bool:
+    """Whether the FFN step takes o_proj with the post norm deferred (``_project_norm_routed_moe_experts``):
+    steps routed in the expert kernels (moe.routes_in_kernel) whose o_proj and separate shared expert (if
+    any) are in an mma layout too, unless MINIMAX_OPS_DEFER_POST_NORM=0 (read at every call: A/B runs switch
+    it between rounds of one process)."""
+    if os.environ.get("MINIMAX_OPS_DEFER_POST_NORM") == "0" or not moe.routes_in_kernel(n_tokens, w13, w13_scale):
+        return False
+    shared_mma = shared_w13 is None or mx_linear.in_mma_layout(shared_w13, shared_w13_scale)
+    return shared_mma and mx_linear.in_mma_layout(o_proj, o_proj_scale)
+
+
+def _project_norm_routed_moe_experts(attn, o_proj, o_proj_scale, residual, post_norm, eps, gate, gate_bias, top_k,
+                                     scaling, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2,
+                                     shared_w2_scale, num_routed_experts, alpha, limit):
+    """o_proj, the post-attention norm and the routed + shared experts of a layer without an all-reduce
+    between its halves (chain.OutProjection) -> (out, residual). Where ``defers_post_norm``: o_proj's
+    last program of each column group adds the residual and sums the squares of its columns
+    (linear_mma.mma_linear_add_norm), the router makes the norm's h from them and w13 applies the row's
+    rstd to its products: no norm kernel between o_proj and the router. Otherwise the three steps."""
+    experts = (w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale)
+    if not defers_post_norm(attn.shape[0], o_proj, o_proj_scale, w13, w13_scale, shared_w13, shared_w13_scale):
+        h, residual = _add_rmsnorm(_mx_linear(attn, o_proj, o_proj_scale), residual, post_norm, eps)
+        return _routed_moe_experts(h, gate, gate_bias, top_k, scaling, *experts, num_routed_experts, alpha,
+                                   limit), residual
+    res_out, scaled, sumsq = mx_linear.mx_linear_add_norm(attn, o_proj, o_proj_scale, residual, post_norm, pdl=True)
+    out = moe.routed_moe_experts(scaled, gate, gate_bias, top_k, scaling, *experts,
+                                 num_routed_experts=num_routed_experts, alpha=alpha, limit=limit, pdl=True,
+                                 deferred_norm=(res_out, post_norm, sumsq, eps))
+    return out, res_out
+
+
 def _mlp(h, w13, w13_scale, w2, w2_scale, alpha, limit, out_fp32=False):
     # The SwiGLU between the projections is a torch op: the PDL chain restarts after it.
     gate, up = mx_linear.mx_linear(h, w13, w13_scale, out_dtype=torch.float32, pdl=True).chunk(2, dim=-1)
@@ -120,4 +153,5 @@ def kernel_stages() -> SimpleNamespace:
         add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
-        route=_route, moe_experts=_moe_experts, routed_moe_experts=_routed_moe_experts, mlp=_mlp)
+        route=_route, moe_experts=_moe_experts, routed_moe_experts=_routed_moe_experts,
+        project_norm_routed_moe_experts=_project_norm_routed_moe_experts, mlp=_mlp)

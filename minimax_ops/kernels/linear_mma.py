@@ -26,9 +26,35 @@ from .aot import KernelSpec
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, prefetch_step, preload_first, preloads, stream_pointers, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
+from .norm import check_norm_weight, check_rows
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import (MmaLinearTiles, check_k_steps, check_warp_split, mma_linear_tiles, num_sms, portable_mma_tiles,
                     register_cap)
+
+
+@triton.jit
+def _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM: tl.constexpr, res_ptr, nw_ptr, xs_ptr, ss_ptr,
+                stride_rm):
+    """Stores the fp32 GEMV result of the fragment's (tok, n_out) (the tokens m0 .. m0 + 7) as out_ptr's
+    dtype; NORM: the residual add of norm.add_rmsnorm with the norm itself deferred to the consumers
+    (``mma_linear_add_norm``): out = bf16(bf16(y) + residual), xs = bf16(out * (1 + w)) and, per token,
+    the sum of out^2 over the program's columns at ss_ptr[token, group]: a consumer's rstd is
+    rsqrt(sum of a token's groups / N + eps), which it applies after its own (linear) product of xs."""
+    ptrs = tok.to(tl.int64) * stride_om + n_out
+    if NORM:  # (both loads before the first store, which they could alias: one round trip)
+        r = tl.load(res_ptr + tok.to(tl.int64) * stride_rm + n_out, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + n_out, mask=ok, other=0.0).to(tl.float32)
+        summed = (total.to(out_ptr.dtype.element_ty).to(tl.float32) + r).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ptrs, summed, mask=ok)
+        s = summed.to(tl.float32)
+        tl.store(xs_ptr + ptrs, (s * (1.0 + w)).to(xs_ptr.dtype.element_ty), mask=ok)
+        sq = tl.where(ok, s * s, 0.0)
+        for t in tl.static_range(TOKENS):
+            if m0 + t < M:
+                row_sum = tl.sum(tl.sum(tl.where(tok == m0 + t, sq, 0.0), axis=1), axis=0)
+                tl.store(ss_ptr + (m0 + t) * tl.num_programs(0) + tl.program_id(0), row_sum)
+    else:
+        tl.store(out_ptr + ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -36,7 +62,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1):
+                       PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, stride_rm=0):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
@@ -44,7 +71,10 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     run an epilogue on them (after a tl.debug_barrier, its own stores are visible to all its threads).
     PRELOAD: the first weight step is read first, before the PDL wait (mma_decode.first_blocks).
     KS: the NW warps stream NW // KS row blocks (the group) in KS parts of the split's K each, summed
-    through shared memory (mma_decode.warp_parts / fold_warps)."""
+    through shared memory (mma_decode.warp_parts / fold_warps).
+    NORM: the stored columns are a residual add with the following RMS norm deferred (``_store_rows``:
+    out_ptr gets the residual sum, xs_ptr its scaled rows, ss_ptr the group's sums of squares); its PDL
+    dependents launch once every program has streamed its weights, not after the wait."""
     NWR: tl.constexpr = NW // KS  # row blocks of the group
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
@@ -64,7 +94,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
             for p in tl.static_range(PREFETCH):
                 prefetch_step(w_pf, s_pf, w_lead, s_lead, p, n_steps, DEPTH, FP8)
         gdc_wait()
-        gdc_launch_dependents()
+        if not NORM:
+            gdc_launch_dependents()
     d, g, c, e = fragment_index(NW, DEPTH)
     d1, g1, c1, e1 = fragment_index(NWR, 1)
     n_out = (tl.program_id(0) * NWR + warp_rows(NWR, 1)) * 16 + g1 + 8 * (e1 // 2)
@@ -84,9 +115,13 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
             tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
             ok = (tok < M) & (n_out < N)
             if SPLIT == 1:
-                tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, part.to(out_ptr.dtype.element_ty), mask=ok)
+                _store_rows(part, tok, n_out, ok, m0 + half * TOKENS, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr,
+                            xs_ptr, ss_ptr, stride_rm)
             else:
                 tl.store(part_ptr + tl.program_id(1) * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
+    if PDL:
+        if NORM:  # (the consumer's many programs, resident early, would take places from this grid's second wave)
+            gdc_launch_dependents()
     done = tl.program_id(1) == 0
     if SPLIT > 1:
         done = last_arrival(cnt_ptr + tl.program_id(0), SPLIT)
@@ -95,7 +130,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 tok = m0 + 2 * c1 + e1 % 2
                 ok = (tok < M) & (n_out < N)
                 total = sum_splits(part_ptr + tok.to(tl.int64) * N + n_out, ok, mn, SPLIT, SPLIT_POW2)
-                tl.store(out_ptr + tok.to(tl.int64) * stride_om + n_out, total.to(out_ptr.dtype.element_ty), mask=ok)
+                _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr, xs_ptr, ss_ptr,
+                            stride_rm)
     return done
 
 
@@ -104,10 +140,12 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
-                       PRELOAD: tl.constexpr, KS: tl.constexpr = 1):
+                       PRELOAD: tl.constexpr, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, stride_rm=0):
     """Grid (groups of NW // KS row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, KS)
+                       stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, KS,
+                       NORM, res_ptr, nw_ptr, xs_ptr, ss_ptr, stride_rm)
 
 
 def linear_tiles(n: int, k: int, device: torch.device, fp8: bool, tiles: MmaLinearTiles | None = None,
@@ -150,10 +188,41 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     layout (mx_linear's path for them): fp32 accumulation, out_dtype. ``tiles`` overrides
     tiles.mma_linear_tiles (tuning, tests)."""
     m, k = x.shape
+    out = torch.empty(m, weight.shape[-3] * MMA_ROWS, dtype=out_dtype, device=x.device)
+    _launch(x, weight, scale, fmt, out, tiles, pdl)
+    return out
+
+
+def mma_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: int, residual: torch.Tensor,
+                        norm_weight: torch.Tensor, tiles: MmaLinearTiles | None = None,
+                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = x @ dequant(weight)^T (bf16, as mma_linear's) followed by norm.add_rmsnorm(y, residual,
+    norm_weight) with the norm's one reduction left to the consumers: -> (residual_out, scaled, sumsq)
+    where residual_out = bf16(y + residual) exactly as add_rmsnorm's, scaled = bf16(residual_out * (1 +
+    norm_weight)) and sumsq [M, G] fp32 the sums of residual_out^2 over each program group's columns.
+    The norm's h is bf16(residual_out * rstd * (1 + w)) with rstd = rsqrt(sumsq.sum(1) / N + eps), a
+    scalar per row, so a linear consumer multiplies its product of ``scaled`` by rstd instead of
+    reading h (router.router_logits and moe.routed_moe_experts take these three). The GEMV's last
+    program of each group does it on the columns it stores: no norm kernel, no second pass."""
+    m, k = x.shape
     n = weight.shape[-3] * MMA_ROWS
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    check_rows("residual", residual, n)
+    if residual.shape[0] != m:
+        raise ValueError(f"residual: expected {m} rows like x, got {residual.shape[0]}")
+    check_norm_weight(norm_weight, n)
+    res_out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    scaled = torch.empty_like(res_out)
+    t, _ = linear_tiles(n, k, x.device, fmt == FMT_MXFP8_MMA, tiles)
+    sumsq = torch.empty(m, triton.cdiv(n // MMA_ROWS, t.row_blocks), dtype=torch.float32, device=x.device)
+    _launch(x, weight, scale, fmt, res_out, tiles, pdl, norm=(residual, norm_weight, scaled, sumsq))
+    return res_out, scaled, sumsq
+
+
+def _launch(x, weight, scale, fmt, out, tiles, pdl, norm=None):
+    m, k = x.shape
+    n = out.shape[1]
     if m == 0 or n == 0:
-        return out
+        return
     fp8 = fmt == FMT_MXFP8_MMA
     t, ptx = linear_tiles(n, k, x.device, fp8, tiles)
     w, s = mma_operands("weight", weight, scale)
@@ -161,13 +230,17 @@ def mma_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     groups = triton.cdiv(n // MMA_ROWS, t.row_blocks)
     split, part, counters = split_buffers(x.device, groups, t.split, m, n, out)
     pdl = pdl and pdl_supported(x.device)
+    norm_args = {}
+    if norm is not None:
+        residual, norm_weight, scaled, sumsq = norm
+        norm_args = dict(NORM=True, res_ptr=residual, nw_ptr=norm_weight, xs_ptr=scaled, ss_ptr=sumsq,
+                         stride_rm=residual.stride(0))
     _mma_linear_kernel[(groups, split)](
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), KS=t.warp_split, num_warps=t.num_warps,
-        num_stages=1, launch_pdl=pdl, **register_cap(t))
-    return out
+        num_stages=1, launch_pdl=pdl, **register_cap(t), **norm_args)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -199,5 +272,22 @@ def aot_specs() -> list[KernelSpec]:
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
+                    max_registers=t.max_registers))
+    # o_proj with the post norm deferred (mma_linear_add_norm, the fused layer's one-token steps): the PTX
+    # PDL launch at the real size, and the portable one at the small size for AMD; one split and several.
+    norm_sig = {**sig, "res_ptr": "*bf16", "nw_ptr": "*bf16", "xs_ptr": "*bf16", "ss_ptr": "*fp32", "stride_rm": "i32"}
+    for fp8 in (False, True):
+        for (n, k), ptx in ((AOT_SHAPES[2], True), (AOT_SHAPES[0], False)):
+            t = mma_linear_tiles(n, k, 132, fp8)
+            t = t if ptx else portable_mma_tiles(t)
+            for split in sorted({1, t.split}):
+                specs.append(KernelSpec(
+                    _mma_linear_kernel, norm_sig,
+                    dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split),
+                         PTX=ptx, PDL=ptx, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split,
+                         NORM=True),
+                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
+                    name=f"mma_linear_add_norm_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx_pdl' if ptx else ''}"
+                         f"_s{split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
                     max_registers=t.max_registers))
     return specs

@@ -293,11 +293,14 @@ def _kernel_weights(table: _Table, shared: _Table | None, inter_shared: int, nam
 
 
 def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, inter, n_routed, shared_slot,
-                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, route=None):
+                    shared_separate, shared_only, t13: ExpertTiles, t2: ExpertTiles, alpha, limit, pdl, route=None,
+                    norm=None):
     if w13.fmt in MMA_CODES:
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
-                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route)
+                                  t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route, norm=norm)
+    if norm is not None:
+        raise ValueError("norm: a deferred post norm needs expert tables in an mma layout (mxfp4_mma / mxfp8_mma)")
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -363,10 +366,11 @@ def moe_experts(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, tables: tuple, *,
                  num_routed_experts: int, alpha: float, limit: float, tiles: tuple[ExpertTiles, ExpertTiles] | None,
-                 pdl: bool, route: tuple | None = None) -> torch.Tensor:
+                 pdl: bool, route: tuple | None = None, norm: tuple | None = None) -> torch.Tensor:
     """moe_experts on checked inputs: ids int32 / topk_weights fp32 contiguous [n, k], ``tables``
     _checked_tables'. ``route`` (routed_moe_experts, a one-token step on mma-layout tables): the router's
-    (logits, bias, scaling); ids / topk_weights are then buffers the expert kernels fill."""
+    (logits, bias, scaling); ids / topk_weights are then buffers the expert kernels fill. ``norm`` (the
+    same steps): (sumsq, eps) of a deferred post norm, h its scaled rows (moe_mma.launch_mma_experts)."""
     n, hidden = h.shape
     pdl = pdl and pdl_supported(h.device)
     top_k = ids.shape[1]
@@ -410,7 +414,7 @@ def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
     _launch_experts(h, ids, kw13, kw2, a, y, part, slots=slots, inter=inter, n_routed=num_routed_experts,
                     shared_slot=fused or merge, shared_separate=merge, shared_only=False, t13=t13, t2=t2,
                     alpha=alpha, limit=limit, pdl=pdl,
-                    route=None if route is None else (route[0], route[1], topk_weights, route[2]))
+                    route=None if route is None else (route[0], route[1], topk_weights, route[2]), norm=norm)
     if separate and not merge:
         st13 = _with_tiles(expert_tiles(s13.fmt, hidden, 2 * inter_shared, 1, True, sms, n_tokens=n), s13)
         st2 = dataclasses.replace(_with_tiles(expert_tiles(s2.fmt, inter_shared, hidden, 1, False, sms,
@@ -426,7 +430,7 @@ def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
                                         st2.fma),
                         a_shared, y, spart, slots=1, inter=inter_shared, n_routed=num_routed_experts,
                         shared_slot=False, shared_separate=False, shared_only=True, t13=st13, t2=st2,
-                        alpha=alpha, limit=limit, pdl=pdl)
+                        alpha=alpha, limit=limit, pdl=pdl, norm=norm)
     _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
         y, topk_weights, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
         NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split,
@@ -449,13 +453,16 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
                        w2_scale: torch.Tensor | None, shared_w13: torch.Tensor | None = None,
                        shared_w13_scale: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
                        shared_w2_scale: torch.Tensor | None = None, *, num_routed_experts: int, alpha: float = 1.702,
-                       limit: float = 7.0, pdl: bool = False) -> torch.Tensor:
+                       limit: float = 7.0, pdl: bool = False, deferred_norm: tuple | None = None) -> torch.Tensor:
     """router.route then moe_experts for a one-token step on mma-layout tables (``routes_in_kernel``'s
     steps; the caller decides, decode_layer's FFN step for the fused layer), routed inside the expert
     kernels: the router writes only its logits (router.router_logits: whole gate rows a program, no
     partials, no arrival counter, no top-k program) and each expert program makes the router's top-k
     itself from them (the top-k tail of the router and the ids' round trip leave the critical path).
-    Other steps are refused by name before anything is launched."""
+    ``deferred_norm`` (residual_out, norm weight, sumsq, eps) of linear_mma.mma_linear_add_norm: the
+    post norm before this step left to it, h being the scaled rows: the router makes the norm's h from
+    residual_out and the sums, w13 multiplies its products by the row's rstd (no norm kernel). Other
+    steps are refused by name before anything is launched."""
     router.check_gate(h, gate, gate_bias, top_k)
     if gate.shape[0] != num_routed_experts:
         raise ValueError(f"gate: expected {num_routed_experts} rows (one a routed expert), got {gate.shape[0]}")
@@ -466,12 +473,21 @@ def routed_moe_experts(h: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Ten
         raise ValueError(f"route: the experts route in-kernel only one-token steps, got {h.shape[0]} tokens")
     if tables[0].fmt not in MMA_CODES:
         raise ValueError("route: the experts route in-kernel only in the mma layouts (mxfp4_mma / mxfp8_mma)")
-    logits = router.router_logits(h, gate, pdl=pdl)
+    norm = None
+    if deferred_norm is None:
+        logits = router.router_logits(h, gate, pdl=pdl)
+    else:
+        residual_out, norm_weight, sumsq, eps = deferred_norm
+        check_rows("residual_out", residual_out, h.shape[1])
+        if tables[2] is not None and tables[2].fmt not in MMA_CODES:
+            raise ValueError("deferred_norm: a separate shared expert must be in an mma layout too")
+        logits = router.router_logits(residual_out, gate, pdl=pdl, deferred_norm=(norm_weight, sumsq, eps))
+        norm = (sumsq, eps)
     ids = torch.empty(h.shape[0], top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(h.shape[0], top_k, dtype=torch.float32, device=h.device)
     return _run_experts(h, ids, weights, tables, num_routed_experts=num_routed_experts, alpha=alpha, limit=limit,
                         tiles=None, pdl=pdl, route=(logits, None if gate_bias is None else gate_bias.contiguous(),
-                                                    scaling))
+                                                    scaling), norm=norm)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
+from .norm import rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
 
@@ -63,13 +64,16 @@ def _fragment_out(m0, NW: tl.constexpr):
 def _store_gate_up(gate, up, m0, compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                    stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED: tl.constexpr,
                    TOPK: tl.constexpr, K_POW2: tl.constexpr, SHARED_ONLY: tl.constexpr, SPLIT: tl.constexpr,
-                   NW: tl.constexpr, TABLE: tl.constexpr):
-    """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials."""
+                   NW: tl.constexpr, TABLE: tl.constexpr, rstd=None):
+    """The (gate, up) fragments of the token group at rank m0: SwiGLU -> a (one split), or fp32 partials.
+    rstd (the deferred norm's, one-token steps): the products' factor, applied before SwiGLU."""
     rank, i_out = _fragment_out(m0, NW)
     tok, col = pass_tokens(ids_ptr, ids, row_ptr, rank, n_tokens, expert, compact, NUM_ROUTED, TOPK, K_POW2,
                             SHARED_ONLY, TABLE)
     ok = (col >= 0) & (i_out < inter_e)
     if SPLIT == 1:
+        if rstd is not None:
+            gate, up = gate * rstd, up * rstd
         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
         tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
     else:
@@ -102,7 +106,8 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                     TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
                     RING: tl.constexpr = 2, KS: tl.constexpr = 1, ROUTE: tl.constexpr = False,
-                    HAS_BIAS: tl.constexpr = False):
+                    HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False, sumsq_ptr=None, n_parts=1, eps=0.0,
+                    BLOCK_P: tl.constexpr = 1):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -120,7 +125,11 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
     logits (route_ptr, router.router_logits), not ids: every program makes the top-k itself
     (expert_slots.routed_ids; the shared expert's, which do not wait, make it from logits not yet
     written and never use it), and program (0, 0, 0) stores the ids and weights (tw_ptr, scaled by
-    ``scaling``) at ids_ptr for the combine."""
+    ``scaling``) at ids_ptr for the combine.
+
+    NORM (one-token steps): h is the scaled rows of linear_mma.mma_linear_add_norm, the post norm deferred:
+    each program loads the token's sums of squares (sumsq_ptr) at its start, and its gate and up products
+    are multiplied by the rstd they make before SwiGLU (the norm's h is that rstd times the scaled rows)."""
     tl.static_assert(not (PAIRED and TWO_GROUPS), "_mma_w13_kernel: a PAIRED stream takes one token group")
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     NWR: tl.constexpr = NW // KS  # (gate, up) row blocks of the program
@@ -132,6 +141,9 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
             gdc_wait()
         gdc_launch_dependents()
     stride_hm = tl.multiple_of(stride_hm, 16)
+    parts = None
+    if NORM:  # (reduced where used: the load stays in flight under the stream)
+        parts = sumsq_parts(sumsq_ptr, n_parts, BLOCK_P)
     ids = None
     if ROUTE:
         ids, id_rows, score_rows = routed_ids(route_ptr, bias_ptr, NW, NUM_ROUTED, E_POW2, TOPK, K_POW2, HAS_BIAS)
@@ -184,10 +196,14 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
                 SETS: tl.constexpr = pair_sets(DEPTH) if PAIRED else DEPTH
+                rstd = None
+                if NORM:
+                    if SPLIT == 1:
+                        rstd = rstd_of_parts(parts, k_blocks * 64, eps)
                 _store_gate_up(fold_warps(fold(gate, NW, SETS), NW, KS), fold_warps(fold(up, NW, SETS), NW, KS), first,
                                compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr, part_ptr, stride_am,
                                stride_acol, stride_psplit, stride_pm, stride_pcol, alpha, limit, NUM_ROUTED, TOPK,
-                               K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE)
+                               K_POW2, SHARED_ONLY, SPLIT, NWR, TABLE, rstd)
                 if both:
                     _store_gate_up(fold_warps(fold(gate2, NW, DEPTH), NW, KS), fold_warps(fold(up2, NW, DEPTH), NW, KS),
                                    m0 + TOKENS, compact, inter_e, ids_ptr, ids, row_ptr, n_tokens, expert, a_ptr,
@@ -207,6 +223,9 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                         p_ptrs = part_ptr + tok.to(tl.int64) * stride_pm + tl.maximum(col, 0) * stride_pcol + 2 * i_out
                         gate = sum_splits(p_ptrs, ok, stride_psplit, SPLIT, SPLIT_POW2)
                         up = sum_splits(p_ptrs + 1, ok, stride_psplit, SPLIT, SPLIT_POW2)
+                        if NORM:
+                            rstd = rstd_of_parts(parts, k_blocks * 64, eps)
+                            gate, up = gate * rstd, up * rstd
                         a_ptrs = a_ptr + tok.to(tl.int64) * stride_am + col * stride_acol + i_out
                         tl.store(a_ptrs, swiglu_oai(gate, up, alpha, limit).to(a_ptr.dtype.element_ty), mask=ok)
 
@@ -317,13 +336,15 @@ def _prefetch(t) -> int:
 
 
 def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, shared_slot, shared_separate, shared_only,
-                       t13, t2, alpha, limit, pdl, route=None):
+                       t13, t2, alpha, limit, pdl, route=None, norm=None):
     """moe.py's _launch_experts for mxfp4_mma / mxfp8_mma tables: w13 / w2 are its kernel-weight
     records (tables [E, row blocks, K blocks, 128 | 256 words] + scales [.., 32]); t13 / t2
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
     blocks per load step. ``route`` (one-token steps): (fp32 router logits [1, E], fp32 bias [E] or
     None, the fp32 top-k weights [1, k] to write, scaling): the kernels make the top-k (ROUTE) and w13
-    writes ids and weights; else ids hold the step's choice."""
+    writes ids and weights; else ids hold the step's choice. ``norm`` (one-token steps): (sumsq [1, G]
+    fp32, eps) of linear_mma.mma_linear_add_norm, h being its scaled rows: w13 applies the deferred norm
+    (NORM)."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -365,6 +386,13 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         routing = (y, y, y, 1.0)  # (unused fp32 pointers)
     table_on = slot_table_on(shared_only, n) and route is None
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
+    norm_args = {}
+    if norm is not None:
+        if n != 1:
+            raise ValueError(f"norm: the deferred post norm takes one-token steps, got {n} tokens")
+        sumsq, eps = norm
+        norm_args = dict(NORM=True, sumsq_ptr=sumsq, n_parts=sumsq.shape[1], eps=float(eps),
+                         BLOCK_P=triton.next_power_of_2(sumsq.shape[1]))
     _mma_w13_kernel[(slots, groups, split)](
         h32, ids, w, s, sw, ss, a, part, counters, table, *routing, n, n * top_k, inter, w13.inter_shared, hidden // 64,
         table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
@@ -372,7 +400,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         part.stride(2) if split > 1 else 0, float(alpha), float(limit),
         NW=nw13, DEPTH=t13.k_chunks, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13),
         PAIRED=t13.paired, TABLE=table_on, num_warps=nw13, num_stages=1, launch_pdl=pdl, **register_cap(t13),
-        RING=t13.ring, KS=t13.warp_split, **common)
+        RING=t13.ring, KS=t13.warp_split, **common, **norm_args)
     w, s = mma_operands("w2", w2.w, w2.s)
     sw, ss = mma_operands("shared_w2", w2.sw, w2.ss)
     nw2 = t2.num_warps
@@ -429,14 +457,16 @@ def aot_specs() -> list[KernelSpec]:
     sig2 = {"a_ptr": "*i32", **common_sig, **routing, "y_ptr": "*fp32", "hidden": "i32", "stride_am": "i32",
             "stride_acol": "i32",
             **strides, "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32"}
+    sig13_norm = {**sig13, "sumsq_ptr": "*fp32", "n_parts": "i32", "eps": "fp32"}
     specs, seen = [], set()
 
     def launch(fp8, size, mode, ptx, pdl, n_tokens, targets, tables=None, compact=True, w2_targets=None,
-               route=False):
+               route=False, norm=False):
         """Append the w13 / w2 kernels an n_tokens step launches (as the first step size that runs
         these tiles; compact: MINIMAX_OPS_NO_COMPACT unset), each distinct kernel once, for targets
         (w2: w2_targets if given); tables True / False: only if they do / do not read the step's
-        slot table; route: the one-token step routed in-kernel (with a bias)."""
+        slot table; route: the one-token step routed in-kernel (with a bias); norm: its w13 taking the
+        deferred post norm (NORM; w2 is the same kernel either way)."""
         hidden, inter, n_routed, top_k = size
         shared_slot, shared_separate, shared_only = _MODES[mode]
         t13 = mma_expert_tiles(hidden, True, fp8=fp8, one_token=n_tokens == 1, routed=route)
@@ -458,17 +488,18 @@ def aot_specs() -> list[KernelSpec]:
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
         # and unpaired also two grid splits
         forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
+        norm_args = dict(NORM=True, BLOCK_P=128) if norm else {}  # (o_proj's 96 column groups at the real size)
         for split, ws in sorted(forms):
-            if (label, "w13", t13, split, ws, table) in seen:
+            if (label, "w13", t13, split, ws, table, norm) in seen:
                 continue
-            seen.add((label, "w13", t13, split, ws, table))
+            seen.add((label, "w13", t13, split, ws, table, norm))
             specs.append(KernelSpec(
-                _mma_w13_kernel, sig13,
+                _mma_w13_kernel, sig13_norm if norm else sig13,
                 dict(common, NW=t13.num_warps, DEPTH=t13.k_chunks, SPLIT=split,
                      SPLIT_POW2=triton.next_power_of_2(split), PREFETCH=_prefetch(t13), PAIRED=paired, TABLE=table,
-                     RING=t13.ring, KS=ws),
+                     RING=t13.ring, KS=ws, **norm_args),
                 num_warps=t13.num_warps, num_stages=1, targets=targets,
-                name=f"mma_w13_{label}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
+                name=f"mma_w13_{label}{'_norm' if norm else ''}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
                      f"{'_paired' if paired else ''}{'_table' if table else ''}",
                 max_registers=t13.max_registers))
         if (label, "w2", t2, preload, table) not in seen:
@@ -499,7 +530,9 @@ def aot_specs() -> list[KernelSpec]:
     # portable MXFP4 ones (CUDA and HIP), the portable MXFP8 ones at the small size (HIP).
     for fp8 in (False, True):
         launch(fp8, real, "merged", True, True, 1, ("cuda",), route=True)
+        launch(fp8, real, "merged", True, True, 1, ("cuda",), route=True, norm=True)  # the post norm deferred
     launch(False, real, "merged", False, False, 1, (), route=True)
+    launch(False, real, "merged", False, False, 1, ("hip",), route=True, norm=True)
     launch(True, small, "table", False, False, 1, ("hip",), route=True)
     # TWO_GROUPS launches only with fixed token groups (MINIMAX_OPS_NO_COMPACT=1, an A/B switch): kept
     # compiled once per kernel (w13 and w2 both pair the groups), for the PTX decode it runs on.

@@ -20,7 +20,7 @@ from ..formats import FMT_BF16, FMT_MXFP4, FMT_MXFP4_WORDS, FMT_MXFP8
 from .aot import KernelSpec
 from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_operand, check_weight, gdc_launch_dependents,
                         gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
-from .linear_mma import mma_linear
+from .linear_mma import mma_linear, mma_linear_add_norm
 from .norm import check_rows
 from .splitk import (REDUCE_BLOCK, SPLIT_FUSED, SPLIT_NONE, SPLIT_PARTIALS, last_arrival, split_counters,
                      splitk_reduce_kernel, sum_splits)
@@ -135,6 +135,25 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         splitk_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, out, m * n, split, BLOCK=REDUCE_BLOCK, SPLIT_POW2=triton.next_power_of_2(split), num_warps=4)
     return out
+
+
+def in_mma_layout(weight: torch.Tensor, scale: torch.Tensor | None, rank: int = 2) -> bool:
+    """Whether a checked (weight, scale) pair is in an mma layout (mxfp4_mma / mxfp8_mma)."""
+    return check_weight("weight", weight, scale, None, weight.device, rank=rank).layout.mma
+
+
+def mx_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, residual: torch.Tensor,
+                       norm_weight: torch.Tensor, *,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mx_linear (bf16 out) followed by norm.add_rmsnorm with the norm's reduction deferred to the
+    consumers, for weights in an mma layout: (residual_out, scaled rows, sums of squares), as
+    linear_mma.mma_linear_add_norm says."""
+    check_rows("x", x, shape="[M, K]", dim="K")
+    lw = check_weight("weight", weight, scale, x.shape[1], x.device)
+    if not lw.layout.mma:
+        raise ValueError(f"weight: the deferred norm takes weights in an mma layout (mxfp4_mma / mxfp8_mma), got "
+                         f"{lw.layout.name}")
+    return mma_linear_add_norm(x, weight, scale, lw.layout.code, residual, norm_weight, pdl=pdl)
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------

@@ -55,11 +55,32 @@ def check_rows(name: str, t: torch.Tensor, width: int | None = None, *, shape: s
         raise ValueError(f"{name}: expected {dim} size {width}, got {t.shape[1]}")
 
 
-def _check_weight(weight: torch.Tensor, hidden: int) -> None:
+def check_norm_weight(weight: torch.Tensor, hidden: int) -> None:
     if weight.shape != (hidden,) or not weight.is_contiguous():
         raise ValueError(f"weight: expected a contiguous [{hidden}] tensor, got shape {tuple(weight.shape)}")
     if weight.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"weight: expected bfloat16 or float32, got {weight.dtype}")
+
+
+@triton.jit
+def sumsq_parts(ss_ptr, n_parts, BLOCK_P: tl.constexpr):
+    """A row's n_parts sums of squares left by linear_mma.mma_linear_add_norm (the norm deferred to its
+    consumers), loaded; ``rstd_of_parts`` reduces them (a consumer may load early and reduce late)."""
+    offs = tl.arange(0, BLOCK_P)
+    return tl.load(ss_ptr + offs, mask=offs < n_parts, other=0.0)
+
+
+@triton.jit
+def rstd_of_parts(parts, hidden, eps):
+    """rsqrt(mean of squares + eps) from ``sumsq_parts``, summed in one fixed order wherever it is read."""
+    return tl.rsqrt(tl.sum(parts, axis=0) / hidden + eps)
+
+
+def check_deferred_norm(weight: torch.Tensor, sumsq: torch.Tensor, n: int, hidden: int) -> None:
+    """The norm weight [hidden] and the sums of squares [n, groups] fp32 of linear_mma.mma_linear_add_norm."""
+    check_norm_weight(weight, hidden)
+    if sumsq.dtype != torch.float32 or sumsq.dim() != 2 or sumsq.shape[0] != n or not sumsq.is_contiguous():
+        raise ValueError(f"sumsq: expected contiguous fp32 [{n}, groups], got {sumsq.dtype} {tuple(sumsq.shape)}")
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -73,7 +94,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     check_rows("residual", residual, hidden)
     if residual.shape[0] != n:
         raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
-    _check_weight(weight, hidden)
+    check_norm_weight(weight, hidden)
     h = torch.empty_like(x)
     res_out = torch.empty_like(x)
     if n == 0:
@@ -91,7 +112,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gemma_rmsnorm(x, weight) for bf16 x [n, H] -> bf16 [n, H] (the final norm)."""
     check_rows("x", x)
     n, hidden = x.shape
-    _check_weight(weight, hidden)
+    check_norm_weight(weight, hidden)
     h = torch.empty_like(x)
     if n == 0:
         return h

@@ -42,6 +42,12 @@ SparseConsts = namedtuple("SparseConsts", (*_HEADS, *_SPARSE, *_TAIL), defaults=
 DenseConsts = namedtuple("DenseConsts", (*_HEADS, *_TAIL), defaults=(False,))
 
 
+# The attention output before o_proj, handed to the FFN half by a kernel namespace that offers
+# ``project_norm_routed_moe_experts`` where no all-reduce separates the halves (TP 1, sparse_attention):
+# o_proj then runs as the FFN step's first kernel, the post norm deferred into it.
+OutProjection = namedtuple("OutProjection", ("x", "weight", "scale"))
+
+
 def _fp32(c) -> tuple:
     """The out_fp32 argument, given only when set: graphs without tensor parallelism keep their form."""
     return (True,) if c.partial else ()
@@ -99,6 +105,8 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
         block_ids = mm.index_topk(index_q, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks)
         attn = mm.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, c.query_len, c.k_scale,
                                           c.v_scale)
+    if mm is not MM and not c.partial and getattr(mm, "project_norm_routed_moe_experts", None) is not None:
+        return OutProjection(attn, w["o_proj"], w["o_proj_scale"]), residual
     return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
 
 
@@ -119,11 +127,15 @@ def sparse_ffn(o, residual, w, c: SparseConsts, ops=None):
     """Steps 8-10 on the reduced attention output: post norm, router, routed + shared experts
     -> (out unreduced, residual). A kernel namespace (``ops``) may offer the router and the experts as
     one step, ``routed_moe_experts`` (the signature of kernels/moe.py's, the router's arguments first);
-    the vocabulary has two ops."""
+    the vocabulary has two ops. ``o`` an OutProjection (sparse_attention's, TP 1 on kernels): step 7 too,
+    o_proj through post norm and experts as one kernel step (``project_norm_routed_moe_experts``)."""
     mm = ops or MM
-    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
     experts = (w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], w["shared_w13"], w["shared_w13_scale"], w["shared_w2"],
                w["shared_w2_scale"], c.num_routed_experts, c.alpha, c.limit, *_fp32(c))
+    if isinstance(o, OutProjection):
+        return mm.project_norm_routed_moe_experts(o.x, o.weight, o.scale, residual, w["post_norm"], c.eps, w["gate"],
+                                                  w["gate_bias"], c.top_k, c.routed_scaling, *experts)
+    h, residual = mm.add_rmsnorm(o, residual, w["post_norm"], c.eps)
     one_step = getattr(mm, "routed_moe_experts", None) if mm is not MM else None
     if one_step is not None:
         return one_step(h, w["gate"], w["gate_bias"], c.top_k, c.routed_scaling, *experts), residual

@@ -21,6 +21,8 @@ kernel replaces a default by rebinding its name, nothing else changes:
     SPARSE_FFN_IMPL(o_reduced, residual, w, c) -> (out_unreduced, residual)
     DENSE_FFN_IMPL(o_reduced, residual, w, c) -> (out_unreduced, residual)
 
+On kernels without tensor parallelism the sparse attention half may return a chain.OutProjection
+for o_unreduced (o_proj not yet run), which the sparse FFN half projects itself (chain.py).
 ``w``: the layer's weights by SPARSE_WEIGHTS / DENSE_WEIGHTS name; ``c``: chain.SparseConsts /
 DenseConsts. The attention half writes the caches (k/v at slot_mapping, index_k at
 index_slot_mapping; slot < 0 writes nothing). Outputs are [n, hidden]: residual and o_reduced bf16;
@@ -69,7 +71,7 @@ def _on_kernels(half):
     """A chain half run on the stage kernels launched as programmatic dependents of each other
     (kernels/decode_layer.py) where kernels run; the vocabulary elsewhere."""
     def run(*args):
-        if not use_kernels(args[0]):
+        if not use_kernels(args[1]):  # (the residual: every half's second argument, always a tensor)
             return half(*args)
         from ..kernels.decode_layer import kernel_stages
         return half(*args, ops=kernel_stages())
