@@ -13,9 +13,9 @@ import torch
 
 from minimax_ops import reference as ref
 from minimax_ops.formats import quantize, to_mma_layout
-from minimax_ops.kernels import decode_layer, mx_linear, norm, router
+from minimax_ops.kernels import decode_layer, mx_linear, norm, router, tiles
 from minimax_ops.kernels.moe import routed_moe_experts
-from utils import rel_err
+from utils import mma_expert_tables, rel_err
 
 E, K, SCALING, EPS = 8, 2, 2.0, 1e-6
 SIZES = {"mxfp4": (256, 128), "mxfp8": (128, 64)}  # (hidden, inter); MXFP8 smaller: slow interpreted
@@ -88,23 +88,24 @@ def test_the_router_makes_the_norms_h_from_the_sums(device):
 
 
 def _tables(device, fmt, shared, hidden, inter):
-    mx = lambda *shape: quantize(torch.randn(*shape) * 0.5, fmt)  # noqa: E731
-    pairs = [mx(E + (shared == "table"), 2 * inter, hidden), mx(E + (shared == "table"), hidden, inter)]
-    if shared == "separate":
-        pairs += [mx(2 * inter, hidden), mx(hidden, inter)]
-    canonical = [t.to(device) for pair in pairs for t in pair]
-    mma = [t.to(device) for pair in pairs for t in to_mma_layout(*pair)]
-    pad = [None] * (8 - len(canonical))
-    return canonical + pad, mma + pad
+    return mma_expert_tables(device, fmt, shared, E, hidden, inter)
 
 
-@pytest.mark.parametrize("fmt, shared", [("mxfp4", "separate"), ("mxfp4", "table"), ("mxfp8", "separate")])
-def test_deferred_norm_experts_match_the_reference(fmt, shared, device):
+@pytest.mark.parametrize("fmt, shared, grid_split", [("mxfp4", "separate", False), ("mxfp4", "table", False),
+                                                     ("mxfp8", "separate", False), ("mxfp4", "separate", True)])
+def test_deferred_norm_experts_match_the_reference(fmt, shared, grid_split, device, monkeypatch, request):
     """o_proj with the deferred norm, then the router and experts taking it: the reference's output (the fp32
     norm, route and experts on o_proj's output) within the MX tolerance, and the same step fed add_rmsnorm's h
-    within one bf16 rounding of the experts' input; replays are bit-identical."""
-    torch.manual_seed(13)
+    within one bf16 rounding of the experts' input; replays are bit-identical. ``grid_split``: w13's K split
+    made by the grid (tiles.WARP_SPLIT without it), so the rstd is applied where the last split sums the
+    partials."""
     hidden, inter = SIZES[fmt]
+    if grid_split:
+        monkeypatch.setattr(tiles, "WARP_SPLIT", frozenset())
+        tiles.mma_expert_tiles.cache_clear()
+        request.addfinalizer(tiles.mma_expert_tiles.cache_clear)  # (before monkeypatch restores WARP_SPLIT)
+        assert tiles.mma_expert_tiles(hidden, True, fp8=fmt == "mxfp8", one_token=True, routed=True).split > 1
+    torch.manual_seed(13)
     canonical, mma = _tables(device, fmt, shared, hidden, inter)
     (cw, cs), (w, s) = _o_proj(device, hidden)
     x, residual, nw = _rows(device, 1, ATTN), _rows(device, 1, hidden), _norm_weight(device, hidden)

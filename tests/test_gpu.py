@@ -226,45 +226,19 @@ def test_compiled_model_with_pass_full_cuda_graph(name, layout):
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
-def test_one_token_routed_in_the_experts(experts, monkeypatch):
-    """A one-token step routed in the experts (the default: the router writes logits, the expert kernels
-    make the top-k) against MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (the router's top-k launch): the fused layer
-    matches the reference and the two-launch path, writes the same caches, and its captured graph replays
-    to the same bits."""
+@pytest.mark.parametrize("switch", ["MINIMAX_OPS_ROUTE_IN_EXPERTS", "MINIMAX_OPS_DEFER_POST_NORM"])
+def test_one_token_step_against_its_switch(switch, experts, monkeypatch):
+    """The one-token fused layer's own paths, each the default, against its switch at 0: routed in the
+    experts (the router writes logits, the expert kernels make the top-k; off: the router's top-k launch)
+    and the post norm deferred into o_proj, the router and w13 (off: the norm kernel). Either way the fused
+    layer matches the reference and the path switched off (within one bf16 rounding of the experts'
+    input), writes the same residual and caches bit for bit, and its captured graph replays to the same
+    bits."""
     cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
                                                     contexts=[33000], query_len=1, seed=9, pad_requests=0)
     assert meta.num_tokens == 1
-    want, _ = layer_forward(x, res, w, cache.clone(), meta, cfg)
-    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_ROUTE_IN_EXPERTS",
-                                                                     layer, cache, meta, x, res)
-    assert rel(out1, want) < 2e-2 and rel(out1, out0) < 1e-2
-    assert same_bytes(res0, res1) and same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
-    graph = torch.cuda.CUDAGraph()
-    layer.fused_forward(x, res, meta.positions, cache.clone(), meta)
-    with torch.cuda.graph(graph):
-        out, _ = layer.fused_forward(x, res, meta.positions, cache1, meta)
-    graph.replay()
-    first = out.clone()
-    mismatches = 0
-    for _ in range(100):
-        graph.replay()
-        mismatches += int(not torch.equal(out, first))
-    torch.cuda.synchronize()
-    assert mismatches == 0 and rel(first, want) < 2e-2
-
-
-@pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
-def test_one_token_post_norm_deferred(experts, monkeypatch):
-    """A one-token step with the post norm deferred into o_proj, the router and w13 (the default) against
-    MINIMAX_OPS_DEFER_POST_NORM=0 (the norm kernel): the fused layer matches the reference, the norm kernel's
-    path within one bf16 rounding of the experts' input, writes the same residual and caches bit for bit,
-    and its captured graph replays to the same bits."""
-    cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
-                                                    contexts=[21000], query_len=1, seed=13, pad_requests=0)
-    assert meta.num_tokens == 1
     want, want_res = layer_forward(x, res, w, cache.clone(), meta, cfg)
-    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_DEFER_POST_NORM",
-                                                                     layer, cache, meta, x, res)
+    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, switch, layer, cache, meta, x, res)
     assert rel(out1, want) < 2e-2 and rel(res1, want_res) < 1e-2 and rel(out1, out0) < 1e-2
     assert same_bytes(res0, res1) and same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
     graph = torch.cuda.CUDAGraph()

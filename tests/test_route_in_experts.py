@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from minimax_ops import reference as ref
-from minimax_ops.formats import quantize, to_mma_layout
 from minimax_ops.kernels import decode_layer, moe, router
 from minimax_ops.kernels.moe import moe_experts, routed_moe_experts, routes_in_kernel
-from utils import rel_err
+from utils import mma_expert_tables, rel_err
 
 H, I, E, K = 256, 128, 8, 2
 
@@ -32,14 +31,7 @@ SIZES = {"mxfp4": (H, I), "mxfp8": (128, 64)}  # (MXFP8 smaller: the interpreter
 
 
 def _tables(device, fmt, shared, hidden=H, inter=I):
-    mx = lambda *shape: quantize(torch.randn(*shape) * 0.5, fmt)  # noqa: E731
-    pairs = [mx(E + (shared == "table"), 2 * inter, hidden), mx(E + (shared == "table"), hidden, inter)]
-    if shared == "separate":
-        pairs += [mx(2 * inter, hidden), mx(hidden, inter)]
-    canonical = [t.to(device) for pair in pairs for t in pair]
-    mma = [t.to(device) for pair in pairs for t in to_mma_layout(*pair)]
-    pad = [None] * (8 - len(canonical))
-    return canonical + pad, mma + pad
+    return mma_expert_tables(device, fmt, shared, E, hidden, inter)
 
 
 def _gate(device, bias, hidden=H):

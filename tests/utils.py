@@ -22,3 +22,18 @@ def aot_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def mma_expert_tables(device, fmt: str, shared: str, experts: int, hidden: int, inter: int) -> tuple[list, list]:
+    """(canonical, mma-layout) random MX expert tables as moe_experts takes them (w13, its scale, w2, its
+    scale, then the shared expert's four, None where absent): ``experts`` routed experts, the shared one in
+    the table (``shared`` "table") or as its own pair of matrices ("separate")."""
+    from minimax_ops.formats import quantize, to_mma_layout
+    mx = lambda *shape: quantize(torch.randn(*shape) * 0.5, fmt)  # noqa: E731
+    pairs = [mx(experts + (shared == "table"), 2 * inter, hidden), mx(experts + (shared == "table"), hidden, inter)]
+    if shared == "separate":
+        pairs += [mx(2 * inter, hidden), mx(hidden, inter)]
+    canonical = [t.to(device) for pair in pairs for t in pair]
+    mma = [t.to(device) for pair in pairs for t in to_mma_layout(*pair)]
+    pad = [None] * (8 - len(canonical))
+    return canonical + pad, mma + pad

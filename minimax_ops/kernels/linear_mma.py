@@ -274,19 +274,22 @@ def aot_specs() -> list[KernelSpec]:
                          f"_s{t.split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
                     max_registers=t.max_registers))
     # o_proj with the post norm deferred (mma_linear_add_norm, the fused layer's one-token steps): the PTX
-    # PDL launch at the real size, and the portable one at the small size for AMD; one split and several.
+    # PDL launch at the real size (MXFP8, the model's o_proj, at one split and the tiles'; MXFP4 at the
+    # tiles'), and for AMD the portable one at the small size (its epilogue at one split in MXFP4, after the
+    # split-K reduction in MXFP8: the epilogue is the same code in either format).
     norm_sig = {**sig, "res_ptr": "*bf16", "nw_ptr": "*bf16", "xs_ptr": "*bf16", "ss_ptr": "*fp32", "stride_rm": "i32"}
     for fp8 in (False, True):
         for (n, k), ptx in ((AOT_SHAPES[2], True), (AOT_SHAPES[0], False)):
             t = mma_linear_tiles(n, k, 132, fp8)
             t = t if ptx else portable_mma_tiles(t)
-            for split in sorted({1, t.split}):
+            splits = {1, t.split} if ptx and fp8 else {t.split} if fp8 or ptx else {1}
+            for split in sorted(splits):
                 specs.append(KernelSpec(
                     _mma_linear_kernel, norm_sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split),
                          PTX=ptx, PDL=ptx, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split,
                          NORM=True),
-                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
+                    num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",),
                     name=f"mma_linear_add_norm_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx_pdl' if ptx else ''}"
                          f"_s{split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
                     max_registers=t.max_registers))

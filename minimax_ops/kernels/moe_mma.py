@@ -490,8 +490,9 @@ def aot_specs() -> list[KernelSpec]:
         forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
         norm_args = dict(NORM=True, BLOCK_P=128) if norm else {}  # (o_proj's 96 column groups at the real size)
         for split, ws in sorted(forms):
-            if (label, "w13", t13, split, ws, table, norm) in seen:
-                continue
+            if (label, "w13", t13, split, ws, table, norm) in seen or (norm and not ptx
+                                                                        and (split, ws) != (t13.split, t13.warp_split)):
+                continue  # (NORM adds its epilogue only: on AMD the tiles' form stands for the others)
             seen.add((label, "w13", t13, split, ws, table, norm))
             specs.append(KernelSpec(
                 _mma_w13_kernel, sig13_norm if norm else sig13,
