@@ -3,7 +3,8 @@ o_proj's last program of each column group adds the residual and sums its column
 (linear_mma.mma_linear_add_norm), the router makes the norm's h from those sums (router.router_logits'
 deferred_norm) and w13 multiplies its products by the row's rstd (moe.routed_moe_experts' deferred_norm);
 decode_layer's project_norm_routed_moe_experts runs the three instead of o_proj, the norm kernel, router
-and experts. On CPU the kernels run under the Triton interpreter, on CUDA through the PTX.
+and experts. On CPU the kernels run under the Triton interpreter (the whole layer too, on mma-layout weights
+of a small config), on CUDA through the PTX (test_gpu.py has the real-size layer).
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ import pytest
 import torch
 
 from minimax_ops import reference as ref
+from minimax_ops.cache import allocate_caches, build_step
+from minimax_ops.config import preset
 from minimax_ops.formats import quantize, to_mma_layout
 from minimax_ops.kernels import decode_layer, mx_linear, norm, router, tiles
 from minimax_ops.kernels.moe import routed_moe_experts
+from minimax_ops.model import MiniMaxM3DecoderLayer
+from minimax_ops.reference_model import layer_forward
+from minimax_ops.weights import random_layer_weights, to_kernel_layout
 from utils import mma_expert_tables, rel_err
 
 E, K, SCALING, EPS = 8, 2, 2.0, 1e-6
@@ -177,3 +183,28 @@ def test_what_cannot_take_a_deferred_norm_is_refused(device):
     with pytest.raises(ValueError, match="route: .* only one-token steps"):
         routed_moe_experts(scaled, gate, None, K, SCALING, *mma, num_routed_experts=E,
                            deferred_norm=(res_out, nw, sumsq, EPS))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only (test_gpu.py runs the real-size layer)")
+def test_fused_layer_defers_its_post_norm_under_the_interpreter(monkeypatch):
+    """A one-token step of the whole fused sparse layer on mma-layout weights through the kernels (CPU,
+    interpreted): the attention half hands o_proj to the FFN half, which runs it with the post norm deferred
+    (no norm kernel after the input norm), and the layer matches the reference."""
+    monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
+    cfg = preset("tiny").replace(hidden_size=128, intermediate_size=128, shared_intermediate_size=128)
+    g = torch.Generator().manual_seed(23)
+    w = random_layer_weights(cfg, 1, linear_format="mxfp8", expert_format="mxfp4", generator=g)
+    cache = allocate_caches(cfg, 8, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, generator=g)[1]
+    meta = build_step([40], 1, block_size=cfg.sparse_block_size, num_blocks=8, pad_requests=0, generator=g)
+    x = torch.randn(1, cfg.hidden_size, generator=g).bfloat16()
+    res = torch.randn(1, cfg.hidden_size, generator=g).bfloat16()
+    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w, mma=True), 1)
+    deferred, norms = [], []
+    add_norm, add_rmsnorm = mx_linear.mx_linear_add_norm, norm.add_rmsnorm
+    monkeypatch.setattr(mx_linear, "mx_linear_add_norm", lambda *a, **k: deferred.append(1) or add_norm(*a, **k))
+    monkeypatch.setattr(norm, "add_rmsnorm", lambda *a, **k: norms.append(1) or add_rmsnorm(*a, **k))
+    want, want_res = layer_forward(x, res, w, cache.clone(), meta, cfg)
+    out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)
+    assert deferred == [1] and norms == [1], "o_proj did not take the post norm (or a norm kernel ran for it)"
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want) < 3e-2 and rel_err(out_res, want_res) < 1e-2
