@@ -488,7 +488,7 @@ def aot_specs() -> list[KernelSpec]:
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
         # and unpaired also two grid splits
         forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
-        norm_args = dict(NORM=True, BLOCK_P=128) if norm else {}  # (o_proj's 96 column groups at the real size)
+        norm_args = dict(NORM=True, BLOCK_P=64) if norm else {}  # (o_proj's 48 column groups at the real size)
         for split, ws in sorted(forms):
             if (label, "w13", t13, split, ws, table, norm) in seen or (norm and not ptx
                                                                         and (split, ws) != (t13.split, t13.warp_split)):

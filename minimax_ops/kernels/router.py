@@ -326,14 +326,14 @@ def aot_specs() -> list[KernelSpec]:
             {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl}, targets=targets,
             name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_pdl' if pdl else ''}"))
         # the same with the post norm deferred into it (moe.routed_moe_experts' deferred_norm); o_proj's
-        # column groups: mma_linear_tiles' at the real size
+        # column groups: mma_linear_tiles' at the real size, 48
         specs.append(KernelSpec(
             _router_rows_kernel,
             {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
              "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32", "nw_ptr": "*bf16", "ss_ptr": "*fp32",
              "n_parts": "i32", "eps": "fp32"},
             {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl, "NORM": True,
-             "BLOCK_P": 128}, targets=targets,
+             "BLOCK_P": 64}, targets=targets,
             name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}_norm{'_pdl' if pdl else ''}"))
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
