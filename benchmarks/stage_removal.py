@@ -6,7 +6,8 @@ removed router top-k or attention merge still launches the router's logits or th
 top-k or merge kernel not), returning the first full call's output. The router variants time the router's
 own launches: where one is chosen, the process runs with MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (every variant, the
 full layer too; one-token steps otherwise make the top-k inside the expert kernels, where no router
-launch is left to remove but the logits).
+launch is left to remove but the logits). Every variant runs the post-attention norm's kernel
+(MINIMAX_OPS_DEFER_POST_NORM=0: the bounds are those of the layer with it).
 
     PYTHONPATH=$PWD python3 benchmarks/stage_removal.py [--experts mxfp4] [--tokens 1] [--layers 4] [--timeline]
 
@@ -119,6 +120,8 @@ def main() -> None:
     if any(v & {"route", "topk"} for v in variants.values()):
         os.environ["MINIMAX_OPS_ROUTE_IN_EXPERTS"] = "0"
         print("router variants chosen: the router's own launches (MINIMAX_OPS_ROUTE_IN_EXPERTS=0)", flush=True)
+    # Each layer's two norms are told apart by their call order: the post norm's kernel must run.
+    os.environ["MINIMAX_OPS_DEFER_POST_NORM"] = "0"
     print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth(torch.device('cuda')) / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
 

@@ -20,7 +20,8 @@ QKV, ATTENTION, O_PROJ, ROUTER, EXPERTS = ("qkv + qk norm / RoPE / insert", "ind
 INPUT_NORM, POST_NORM = "input norm", "post-attention norm"
 STAGE_ORDER = (INPUT_NORM, QKV, ATTENTION, O_PROJ, POST_NORM, ROUTER, EXPERTS)
 # Stage of each kernel a fused layer launches, by the kernel's name (the first match; order matters).
-# The two norms of a layer are told apart by their order (the first is the input norm).
+# The two norms of a layer are told apart by their order (the first is the input norm; one-token steps that defer
+# the post norm into o_proj, the router and w13 launch only the input norm).
 _STAGES = (
     ("_qkv_norm_rope_insert_kernel", QKV),
     ("_qk_norm_rope", QKV),
