@@ -33,12 +33,12 @@ from .tiles import (MmaLinearTiles, check_k_steps, check_warp_split, mma_linear_
 
 
 @triton.jit
-def _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM: tl.constexpr, res_ptr, nw_ptr, xs_ptr, ss_ptr,
-                stride_rm):
+def _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM: tl.constexpr, res_ptr, nw_ptr, xs_ptr,
+                sumsq_ptr, stride_rm):
     """Stores the fp32 GEMV result of the fragment's (tok, n_out) (the tokens m0 .. m0 + 7) as out_ptr's
     dtype; NORM: the residual add of norm.add_rmsnorm with the norm itself deferred to the consumers
     (``mma_linear_add_norm``): out = bf16(bf16(y) + residual), xs = bf16(out * (1 + w)) and, per token,
-    the sum of out^2 over the program's columns at ss_ptr[token, group]: a consumer's rstd is
+    the sum of out^2 over the program's columns at sumsq_ptr[token, group]: a consumer's rstd is
     rsqrt(sum of a token's groups / N + eps), which it applies after its own (linear) product of xs."""
     ptrs = tok.to(tl.int64) * stride_om + n_out
     if NORM:  # (both loads before the first store, which they could alias: one round trip)
@@ -52,7 +52,7 @@ def _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM: tl.const
         for t in tl.static_range(TOKENS):
             if m0 + t < M:
                 row_sum = tl.sum(tl.sum(tl.where(tok == m0 + t, sq, 0.0), axis=1), axis=0)
-                tl.store(ss_ptr + (m0 + t) * tl.num_programs(0) + tl.program_id(0), row_sum)
+                tl.store(sumsq_ptr + (m0 + t) * tl.num_programs(0) + tl.program_id(0), row_sum)
     else:
         tl.store(out_ptr + ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -63,7 +63,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                        PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
-                       res_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, stride_rm=0):
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
@@ -73,7 +73,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     KS: the NW warps stream NW // KS row blocks (the group) in KS parts of the split's K each, summed
     through shared memory (mma_decode.warp_parts / fold_warps).
     NORM: the stored columns are a residual add with the following RMS norm deferred (``_store_rows``:
-    out_ptr gets the residual sum, xs_ptr its scaled rows, ss_ptr the group's sums of squares); its PDL
+    out_ptr gets the residual sum, xs_ptr its scaled rows, sumsq_ptr the group's sums of squares); its PDL
     dependents launch once every program has streamed its weights, not after the wait."""
     NWR: tl.constexpr = NW // KS  # row blocks of the group
     stride_xm = tl.multiple_of(stride_xm, 4)
@@ -116,7 +116,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
             ok = (tok < M) & (n_out < N)
             if SPLIT == 1:
                 _store_rows(part, tok, n_out, ok, m0 + half * TOKENS, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr,
-                            xs_ptr, ss_ptr, stride_rm)
+                            xs_ptr, sumsq_ptr, stride_rm)
             else:
                 tl.store(part_ptr + tl.program_id(1) * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
     if PDL:
@@ -130,7 +130,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 tok = m0 + 2 * c1 + e1 % 2
                 ok = (tok < M) & (n_out < N)
                 total = sum_splits(part_ptr + tok.to(tl.int64) * N + n_out, ok, mn, SPLIT, SPLIT_POW2)
-                _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr, xs_ptr, ss_ptr,
+                _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr, xs_ptr, sumsq_ptr,
                             stride_rm)
     return done
 
@@ -141,11 +141,11 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                        PRELOAD: tl.constexpr, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
-                       res_ptr=None, nw_ptr=None, xs_ptr=None, ss_ptr=None, stride_rm=0):
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0):
     """Grid (groups of NW // KS row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
                        stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, KS,
-                       NORM, res_ptr, nw_ptr, xs_ptr, ss_ptr, stride_rm)
+                       NORM, res_ptr, nw_ptr, xs_ptr, sumsq_ptr, stride_rm)
 
 
 def linear_tiles(n: int, k: int, device: torch.device, fp8: bool, tiles: MmaLinearTiles | None = None,
@@ -204,7 +204,7 @@ def mma_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     scalar per row, so a linear consumer multiplies its product of ``scaled`` by rstd instead of
     reading h (router.router_logits and moe.routed_moe_experts take these three). The GEMV's last
     program of each group does it on the columns it stores: no norm kernel, no second pass."""
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[-3] * MMA_ROWS
     check_rows("residual", residual, n)
     if residual.shape[0] != m:
@@ -212,28 +212,43 @@ def mma_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     check_norm_weight(norm_weight, n)
     res_out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     scaled = torch.empty_like(res_out)
-    t, _ = linear_tiles(n, k, x.device, fmt == FMT_MXFP8_MMA, tiles)
-    sumsq = torch.empty(m, triton.cdiv(n // MMA_ROWS, t.row_blocks), dtype=torch.float32, device=x.device)
-    _launch(x, weight, scale, fmt, res_out, tiles, pdl, norm=(residual, norm_weight, scaled, sumsq))
+    sumsq = _launch(x, weight, scale, fmt, res_out, tiles, pdl, norm=(residual, norm_weight, scaled))
     return res_out, scaled, sumsq
 
 
+def column_groups(n: int, t: MmaLinearTiles) -> int:
+    """The programs' column groups of a GEMV [N, K] on tiles t (the first grid axis)."""
+    return triton.cdiv(n // MMA_ROWS, t.row_blocks)
+
+
+def aot_norm_parts() -> int:
+    """The sums of squares per row mma_linear_add_norm leaves for the real model's o_proj (MXFP8, 132 SMs):
+    what the consumers' AOT specs size BLOCK_P for."""
+    n, k = AOT_SHAPES[2]
+    return column_groups(n, mma_linear_tiles(n, k, 132, True))
+
+
 def _launch(x, weight, scale, fmt, out, tiles, pdl, norm=None):
+    """The GEMV into out; norm (residual, norm weight, scaled rows out): the deferred norm's epilogue
+    too, returning the sums of squares it stores [M, column groups] fp32 (else None)."""
     m, k = x.shape
     n = out.shape[1]
-    if m == 0 or n == 0:
-        return
+    if norm is None and (m == 0 or n == 0):
+        return None
     fp8 = fmt == FMT_MXFP8_MMA
     t, ptx = linear_tiles(n, k, x.device, fp8, tiles)
+    groups = column_groups(n, t)
+    sumsq = None if norm is None else torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return sumsq
     w, s = mma_operands("weight", weight, scale)
     x32 = aligned_x(x)
-    groups = triton.cdiv(n // MMA_ROWS, t.row_blocks)
     split, part, counters = split_buffers(x.device, groups, t.split, m, n, out)
     pdl = pdl and pdl_supported(x.device)
     norm_args = {}
     if norm is not None:
-        residual, norm_weight, scaled, sumsq = norm
-        norm_args = dict(NORM=True, res_ptr=residual, nw_ptr=norm_weight, xs_ptr=scaled, ss_ptr=sumsq,
+        residual, norm_weight, scaled = norm
+        norm_args = dict(NORM=True, res_ptr=residual, nw_ptr=norm_weight, xs_ptr=scaled, sumsq_ptr=sumsq,
                          stride_rm=residual.stride(0))
     _mma_linear_kernel[(groups, split)](
         x32, w, s, out, part, counters if counters is not None else s, m, n, k // MMA_K,
@@ -241,6 +256,7 @@ def _launch(x, weight, scale, fmt, out, tiles, pdl, norm=None):
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), KS=t.warp_split, num_warps=t.num_warps,
         num_stages=1, launch_pdl=pdl, **register_cap(t), **norm_args)
+    return sumsq
 
 
 # ---- ahead-of-time specs ---------------------------------------------------------------------------------
@@ -277,7 +293,8 @@ def aot_specs() -> list[KernelSpec]:
     # PDL launch at the real size (MXFP8, the model's o_proj, at one split and the tiles'; MXFP4 at the
     # tiles'), and for AMD the portable one at the small size (its epilogue at one split in MXFP4, after the
     # split-K reduction in MXFP8: the epilogue is the same code in either format).
-    norm_sig = {**sig, "res_ptr": "*bf16", "nw_ptr": "*bf16", "xs_ptr": "*bf16", "ss_ptr": "*fp32", "stride_rm": "i32"}
+    norm_sig = {**sig, "res_ptr": "*bf16", "nw_ptr": "*bf16", "xs_ptr": "*bf16", "sumsq_ptr": "*fp32",
+                "stride_rm": "i32"}
     for fp8 in (False, True):
         for (n, k), ptx in ((AOT_SHAPES[2], True), (AOT_SHAPES[0], False)):
             t = mma_linear_tiles(n, k, 132, fp8)

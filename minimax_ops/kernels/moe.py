@@ -299,8 +299,6 @@ def _launch_experts(h, ids, w13: _Weights, w2: _Weights, a, y, part, *, slots, i
         return launch_mma_experts(h, ids, w13, w2, a, y, part, slots=slots, inter=inter, n_routed=n_routed,
                                   shared_slot=shared_slot, shared_separate=shared_separate, shared_only=shared_only,
                                   t13=t13, t2=t2, alpha=alpha, limit=limit, pdl=pdl, route=route, norm=norm)
-    if norm is not None:
-        raise ValueError("norm: a deferred post norm needs expert tables in an mma layout (mxfp4_mma / mxfp8_mma)")
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter

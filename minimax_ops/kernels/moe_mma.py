@@ -43,10 +43,11 @@ from .aot import KernelSpec
 from .expert_passes import program_slot, shared_pass, shared_passes, token_groups, pass_tokens
 from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_ids, routed_weights, slot_weights,
                            swiglu_oai)
+from .linear_mma import aot_norm_parts
 from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
                          mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
-from .norm import rstd_of_parts, sumsq_parts
+from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
 
@@ -342,9 +343,9 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     ExpertTiles whose row_blocks are the row blocks per program (num_warps / warp_split) and k_chunks the
     blocks per load step. ``route`` (one-token steps): (fp32 router logits [1, E], fp32 bias [E] or
     None, the fp32 top-k weights [1, k] to write, scaling): the kernels make the top-k (ROUTE) and w13
-    writes ids and weights; else ids hold the step's choice. ``norm`` (one-token steps): (sumsq [1, G]
-    fp32, eps) of linear_mma.mma_linear_add_norm, h being its scaled rows: w13 applies the deferred norm
-    (NORM)."""
+    writes ids and weights; else ids hold the step's choice. ``norm`` (one-token steps, checked by
+    moe.routed_moe_experts): (sumsq [1, G] fp32, eps) of linear_mma.mma_linear_add_norm, h being its
+    scaled rows: w13 applies the deferred norm (NORM)."""
     n, hidden = h.shape
     top_k = ids.shape[1]
     inter_max = max(inter, w13.inter_shared) if shared_separate else inter
@@ -386,13 +387,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         routing = (y, y, y, 1.0)  # (unused fp32 pointers)
     table_on = slot_table_on(shared_only, n) and route is None
     table = build_slot_table(ids, routed, n_routed, pdl) if table_on else ids
-    norm_args = {}
-    if norm is not None:
-        if n != 1:
-            raise ValueError(f"norm: the deferred post norm takes one-token steps, got {n} tokens")
-        sumsq, eps = norm
-        norm_args = dict(NORM=True, sumsq_ptr=sumsq, n_parts=sumsq.shape[1], eps=float(eps),
-                         BLOCK_P=triton.next_power_of_2(sumsq.shape[1]))
+    norm_args = {} if norm is None else deferred_norm_args(*norm)
     _mma_w13_kernel[(slots, groups, split)](
         h32, ids, w, s, sw, ss, a, part, counters, table, *routing, n, n * top_k, inter, w13.inter_shared, hidden // 64,
         table.stride(0), shared_slots, h.stride(0) // 2, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
@@ -488,7 +483,7 @@ def aot_specs() -> list[KernelSpec]:
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
         # and unpaired also two grid splits
         forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
-        norm_args = dict(NORM=True, BLOCK_P=64) if norm else {}  # (o_proj's 48 column groups at the real size)
+        norm_args = dict(NORM=True, BLOCK_P=triton.next_power_of_2(aot_norm_parts())) if norm else {}
         for split, ws in sorted(forms):
             if (label, "w13", t13, split, ws, table, norm) in seen or (norm and not ptx
                                                                         and (split, ws) != (t13.split, t13.warp_split)):

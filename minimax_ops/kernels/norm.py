@@ -76,6 +76,13 @@ def rstd_of_parts(parts, hidden, eps):
     return tl.rsqrt(tl.sum(parts, axis=0) / hidden + eps)
 
 
+def deferred_norm_args(sumsq: torch.Tensor, eps: float) -> dict:
+    """The launch arguments a consumer kernel of the deferred norm takes (NORM, sumsq_ptr, n_parts, eps, BLOCK_P:
+    ``sumsq_parts`` / ``rstd_of_parts`` in it)."""
+    return dict(NORM=True, sumsq_ptr=sumsq, n_parts=sumsq.shape[1], eps=float(eps),
+                BLOCK_P=triton.next_power_of_2(sumsq.shape[1]))
+
+
 def check_deferred_norm(weight: torch.Tensor, sumsq: torch.Tensor, n: int, hidden: int) -> None:
     """The norm weight [hidden] and the sums of squares [n, groups] fp32 of linear_mma.mma_linear_add_norm."""
     check_norm_weight(weight, hidden)

@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec
-from .norm import check_deferred_norm, check_rows, rstd_of_parts, sumsq_parts
+from .norm import check_deferred_norm, check_rows, deferred_norm_args, rstd_of_parts, sumsq_parts
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .splitk import last_arrival, split_counters, sum_splits
+from .linear_mma import aot_norm_parts
 from .tiles import TOKEN_BLOCK, RouterConfig, block_k_for, num_sms, router_config
 
 
@@ -161,12 +162,12 @@ def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_ex
 @triton.jit
 def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, stride_hm, stride_ge,
                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = False,
-                        nw_ptr=None, ss_ptr=None, n_parts=1, eps=0.0, BLOCK_P: tl.constexpr = 1):
+                        nw_ptr=None, sumsq_ptr=None, n_parts=1, eps=0.0, BLOCK_P: tl.constexpr = 1):
     """Grid (expert tiles): logits[t, e] = sum over H of h[t] * gate[e] in fp32 for BLOCK_E whole gate
     rows (BLOCK_H >= H), read before the PDL wait: the gate does not depend on the previous kernel.
     NORM: h_ptr holds the residual sums of linear_mma.mma_linear_add_norm and h is made here as
     norm.add_rmsnorm makes it, from them, the norm weight (nw_ptr) and the row's rstd from the
-    n_parts sums of squares at ss_ptr[t]."""
+    n_parts sums of squares at sumsq_ptr[t]."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_H)
     k_mask = offs_k < hidden
@@ -181,7 +182,7 @@ def _router_rows_kernel(h_ptr, g_ptr, logits_ptr, n_tokens, n_experts, hidden, s
         # Rows [1, BLOCK_H], as the gate's are laid out: the product needs no layout change.
         x = tl.load(h_ptr + t * stride_hm + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
         if NORM:
-            rstd = rstd_of_parts(sumsq_parts(ss_ptr + t * n_parts, n_parts, BLOCK_P), hidden, eps)
+            rstd = rstd_of_parts(sumsq_parts(sumsq_ptr + t * n_parts, n_parts, BLOCK_P), hidden, eps)
             x = (x * rstd * w1).to(h_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t * n_experts + offs_e, tl.sum(g * x, axis=1), mask=offs_e < n_experts)
 
@@ -222,8 +223,7 @@ def router_logits(h: torch.Tensor, gate_weight: torch.Tensor, *, pdl: bool = Fal
     if deferred_norm is not None:
         weight, sumsq, eps = deferred_norm
         check_deferred_norm(weight, sumsq, n, hidden)
-        norm = dict(NORM=True, nw_ptr=weight, ss_ptr=sumsq, n_parts=sumsq.shape[1], eps=float(eps),
-                    BLOCK_P=triton.next_power_of_2(sumsq.shape[1]))
+        norm = dict(deferred_norm_args(sumsq, eps), nw_ptr=weight)
     pdl = pdl and pdl_supported(h.device)
     _router_rows_kernel[(triton.cdiv(n_experts, ROWS_BLOCK_E),)](
         h, gate_weight, logits, n, n_experts, hidden, h.stride(0), gate_weight.stride(0), BLOCK_E=ROWS_BLOCK_E,
@@ -325,15 +325,14 @@ def aot_specs() -> list[KernelSpec]:
              "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32"},
             {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl}, targets=targets,
             name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_pdl' if pdl else ''}"))
-        # the same with the post norm deferred into it (moe.routed_moe_experts' deferred_norm); o_proj's
-        # column groups: mma_linear_tiles' at the real size, 48
+        # the same with the post norm deferred into it (moe.routed_moe_experts' deferred_norm)
         specs.append(KernelSpec(
             _router_rows_kernel,
             {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
-             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32", "nw_ptr": "*bf16", "ss_ptr": "*fp32",
+             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32", "nw_ptr": "*bf16", "sumsq_ptr": "*fp32",
              "n_parts": "i32", "eps": "fp32"},
             {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl, "NORM": True,
-             "BLOCK_P": 64}, targets=targets,
+             "BLOCK_P": triton.next_power_of_2(aot_norm_parts())}, targets=targets,
             name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}_norm{'_pdl' if pdl else ''}"))
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
