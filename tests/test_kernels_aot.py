@@ -132,7 +132,7 @@ FRAGMENT_PROBE = textwrap.dedent('''
     # Divisibility the launches guarantee (mma_decode.check_aligned checks strides; Triton specialises
     # pointers and integers divisible by 16).
     SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared", "N")
-    out = {}
+    out, evict = {}, {}
     for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs():
         # (qkv_mma: its GEMV with the norm / RoPE / insert epilogue, whose layout must not leak into it)
         if not spec.constexprs["PTX"] or spec.constexprs["PDL"] or spec.constexprs.get("SEG_TOKENS", 1) != 1:
@@ -143,27 +143,35 @@ FRAGMENT_PROBE = textwrap.dedent('''
         signature = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}
         src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature,
                                         constexprs=aot_check.constexpr_values(spec), attrs=attrs)
-        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm["ttgir"]
+        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm
+        ttgir = asm["ttgir"]
+        evict[spec.label()] = [bool(spec.constexprs.get("EVICT_FIRST")), "L2::evict_first" in asm["ptx"]]
         layouts = dict(re.findall(r"(#(?:blocked|linear)[0-9]*) = (#ttg.(?:blocked|linear)<[^>]*>)", ttgir))
         found = [layouts[m.group(1)] for m in re.finditer(
             r"elementwise_inline_asm [^\\n]*mma.sync[^\\n]*-> tensor<[^,]*, (#(?:blocked|linear)[0-9]*)>", ttgir)]
         out[spec.label()] = found
-    print(json.dumps(out))
+    print(json.dumps({"layouts": out, "evict_first": evict}))
 ''')
 
 
 def test_mma_block_product_gets_the_fragment_layout(tmp_path):
     """The inline-PTX mma.sync of kernels/mma_decode.py is only right if Triton gives each thread one
     row of the [DEPTH * NW * 32, 4] operand tensors (4 consecutive registers, one lane per row): the
-    layout it picks for every PTX launch of the specs, compiled as launched (16-byte divisibility).
+    layout it picks for every PTX launch of the specs, compiled as launched (16-byte divisibility); and
+    their weight loads carry L2's evict-first hint exactly where the spec asks (tiles.weights_evict_first).
     (A scale load of one word broadcast over the 4 columns once made Triton pick a row-major
     [1, 1] layout for the small launches.)"""
     (tmp_path / "probe.py").write_text(FRAGMENT_PROBE)
     proc = _run([str(tmp_path / "probe.py")], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = probe["layouts"]
     assert out and all(out.values()), out
+    # The same launches stream their weights with L2's evict-first policy where they ask for it, and only there.
+    evict = probe["evict_first"]
+    assert any(asked for asked, _ in evict.values()), evict
+    assert all(asked == found for asked, found in evict.values()), evict
     for label, layouts in out.items():
         for layout in layouts:
             assert _one_row_per_lane(layout), (label, layout)

@@ -132,6 +132,27 @@ def test_add_rmsnorm(hidden, w_dtype):
     assert_within_ulp(norm.rmsnorm(x, weight, EPS), ref.gemma_rmsnorm(x, weight, EPS), torch.bfloat16, "rmsnorm")
 
 
+def test_the_fused_layers_input_norm_lets_its_dependent_launch_first(monkeypatch):
+    """The fused layer's input norm lets the qkv GEMV launch before its own PDL wait (decode_layer's
+    ``input_add_rmsnorm``), its other norms do not, MINIMAX_OPS_NORM_LAUNCH_FIRST=0 turns it off; the values
+    are the same bits either way."""
+    from minimax_ops.kernels import decode_layer
+    monkeypatch.delenv("MINIMAX_OPS_NORM_LAUNCH_FIRST", raising=False)
+    calls, add_rmsnorm = [], norm.add_rmsnorm
+    monkeypatch.setattr(norm, "add_rmsnorm", lambda *a, **k: calls.append(k.get("launch_first")) or add_rmsnorm(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    x, residual = randn(2, 96, gen=gen), randn(2, 96, gen=gen, scale=4.0)
+    weight = (torch.randn(96, generator=gen) * 0.3).bfloat16().to(DEVICE)
+    stages = decode_layer.kernel_stages()
+    first = stages.input_add_rmsnorm(x, residual, weight, EPS)
+    plain = stages.add_rmsnorm(x, residual, weight, EPS)
+    monkeypatch.setenv("MINIMAX_OPS_NORM_LAUNCH_FIRST", "0")
+    switched = stages.input_add_rmsnorm(x, residual, weight, EPS)
+    assert calls == [True, None, False]
+    for got in (plain, switched):
+        assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+
+
 def test_rmsnorm_rejects_bad_inputs():
     x = torch.randn(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="x: expected dtype torch.bfloat16"):

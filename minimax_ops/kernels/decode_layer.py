@@ -42,6 +42,14 @@ def _add_rmsnorm(x, residual, weight, eps):
     return norm.add_rmsnorm(x, residual, weight, eps, pdl=True)
 
 
+def _input_add_rmsnorm(x, residual, weight, eps):
+    # The layer's first kernel lets the qkv GEMV launch before its own wait: the GEMV reads only weights before
+    # its wait (which then covers the norm's). Not the post norm: its router's programs would take places on
+    # o_proj's tail (BENCHMARKS.md). MINIMAX_OPS_NORM_LAUNCH_FIRST=0 (read at every call) turns it off.
+    return norm.add_rmsnorm(x, residual, weight, eps, pdl=True,
+                            launch_first=os.environ.get("MINIMAX_OPS_NORM_LAUNCH_FIRST") != "0")
+
+
 def _mx_linear(x, weight, scale, out_fp32=False):
     return mx_linear.mx_linear(x, weight, scale, out_dtype=_out_dtype(out_fp32), pdl=True)
 
@@ -150,7 +158,8 @@ def kernel_stages() -> SimpleNamespace:
                                                 pdl=True)
 
     return SimpleNamespace(
-        add_rmsnorm=_add_rmsnorm, mx_linear=_mx_linear, qkv_norm_rope_insert=_qkv_norm_rope_insert,
+        add_rmsnorm=_add_rmsnorm, input_add_rmsnorm=_input_add_rmsnorm, mx_linear=_mx_linear,
+        qkv_norm_rope_insert=_qkv_norm_rope_insert,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, routed_moe_experts=_routed_moe_experts,

@@ -29,7 +29,7 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .norm import check_norm_weight, check_rows
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import (MmaLinearTiles, check_k_steps, check_warp_split, mma_linear_tiles, num_sms, portable_mma_tiles,
-                    register_cap)
+                    register_cap, weights_evict_first)
 
 
 @triton.jit
@@ -63,7 +63,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                        PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
-                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0):
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0,
+                       EVICT_FIRST: tl.constexpr = False):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
@@ -74,7 +75,8 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     through shared memory (mma_decode.warp_parts / fold_warps).
     NORM: the stored columns are a residual add with the following RMS norm deferred (``_store_rows``:
     out_ptr gets the residual sum, xs_ptr its scaled rows, sumsq_ptr the group's sums of squares); its PDL
-    dependents launch once every program has streamed its weights, not after the wait."""
+    dependents launch once every program has streamed its weights, not after the wait.
+    EVICT_FIRST: the weights stream with L2's evict-first policy (block_stream's; tiles.weights_evict_first)."""
     NWR: tl.constexpr = NW // KS  # row blocks of the group
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
@@ -87,7 +89,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
-        step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8, PTX)
+        step0 = first_blocks(w_rows, s_rows, kb_begin, n_steps > 0, NW, DEPTH, FP8, PTX, EVICT_FIRST)
     if PDL:
         if PREFETCH > 0:  # the weights do not depend on the previous kernel: ask for them first
             w_pf, s_pf, w_lead, s_lead = stream_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
@@ -106,10 +108,12 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
         if m0 + TOKENS < M:
             y_rows = x_ptr + tl.minimum(g + (m0 + TOKENS), M - 1).to(tl.int64) * stride_xm
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                     PREFETCH, FP8, PDL, 2, PRELOADED=PRELOAD, first=step0)
+                                     PREFETCH, FP8, PDL, 2, PRELOADED=PRELOAD, first=step0,
+                                     EVICT_FIRST=EVICT_FIRST)
         else:
             acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                     PREFETCH, FP8, PDL, 1, PRELOADED=PRELOAD, first=step0)
+                                     PREFETCH, FP8, PDL, 1, PRELOADED=PRELOAD, first=step0,
+                                     EVICT_FIRST=EVICT_FIRST)
         for half in tl.static_range(2):
             part = fold_warps(fold(acc if half == 0 else acc2, NW, DEPTH), NW, KS)
             tok = 2 * c1 + e1 % 2 + (m0 + half * TOKENS)
@@ -141,11 +145,12 @@ def _mma_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                        PRELOAD: tl.constexpr, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
-                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0):
+                       res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0,
+                       EVICT_FIRST: tl.constexpr = False):
     """Grid (groups of NW // KS row blocks, SPLIT); arguments as mma_linear_program's."""
     mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
                        stride_sb, stride_om, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD, KS,
-                       NORM, res_ptr, nw_ptr, xs_ptr, sumsq_ptr, stride_rm)
+                       NORM, res_ptr, nw_ptr, xs_ptr, sumsq_ptr, stride_rm, EVICT_FIRST)
 
 
 def linear_tiles(n: int, k: int, device: torch.device, fp8: bool, tiles: MmaLinearTiles | None = None,
@@ -255,7 +260,7 @@ def _launch(x, weight, scale, fmt, out, tiles, pdl, norm=None):
         x32.stride(0), w.stride(0), s.stride(0), out.stride(0),
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preload_first(m), KS=t.warp_split, num_warps=t.num_warps,
-        num_stages=1, launch_pdl=pdl, **register_cap(t), **norm_args)
+        num_stages=1, launch_pdl=pdl, EVICT_FIRST=weights_evict_first(ptx), **register_cap(t), **norm_args)
     return sumsq
 
 
@@ -284,7 +289,8 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _mma_linear_kernel, sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split),
-                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split),
+                         PTX=ptx, PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split,
+                         EVICT_FIRST=ptx),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",) if fp8 else (),
                     name=f"mma_linear_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                          f"_s{t.split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),
@@ -305,7 +311,7 @@ def aot_specs() -> list[KernelSpec]:
                     _mma_linear_kernel, norm_sig,
                     dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split),
                          PTX=ptx, PDL=ptx, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(1), KS=t.warp_split,
-                         NORM=True),
+                         NORM=True, EVICT_FIRST=ptx),
                     num_warps=t.num_warps, num_stages=1, targets=("cuda",) if ptx else ("hip",),
                     name=f"mma_linear_add_norm_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx_pdl' if ptx else ''}"
                          f"_s{split}" + (f"w{t.warp_split}" if t.warp_split > 1 else ""),

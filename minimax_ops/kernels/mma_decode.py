@@ -14,11 +14,9 @@ Every tensor here is in *fragment order*: [DEPTH * NW * 32, 4], row d * NW * 32 
 lane r % 32 of warp r // 32, column e its register e. Every operand load is contiguous along the 4
 columns (128-bit words; the lane's 4 scale bytes as one uint8 [R, 4] load, which Triton packs into
 one register and ``scale_words`` turns into 4 registers at once), so Triton gives each thread one
-row: the inline PTX relies on that, and nothing after it reshapes or reduces across rows. (A scale
-word broadcast over the columns once made Triton choose a row-major layout for small launches;
-tests/test_kernels_aot.py compiles every PTX launch and checks the layout, the GPU tests check the
-results against the reference.) The
-accumulator's register e of lane (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
+row: the inline PTX relies on that, and nothing after it reshapes or reduces across rows
+(tests/test_kernels_aot.py checks the layout of every PTX launch). The accumulator's register e of
+lane (g, c) is row g + 8 * (e // 2) of the block, token column 2c + e % 2.
 
 An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 128-bit loads): per
 k-step a word of row g and one of row g + 8, 4 values each, decoded with 5 integer instructions
@@ -289,16 +287,18 @@ def _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step, n_steps,
 
 
 @triton.jit
-def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, PTX: tl.constexpr, mask=None):
+def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, PTX: tl.constexpr, mask=None,
+                 EVICT_FIRST: tl.constexpr = False):
     """Words, FP8's second words (= the words for MXFP4) and scales (``scale_words``) of the blocks
-    at K block k (nothing read where a mask is given and false)."""
+    at K block k (nothing read where a mask is given and false); EVICT_FIRST: with L2's evict-first policy."""
     WORDS: tl.constexpr = 256 if FP8 else 128
-    w = tl.load(w_ptrs + k * WORDS, mask=mask)
+    w = tl.load(w_ptrs + k * WORDS, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
     if FP8:
-        w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask)
+        w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
     else:
         w_hi = w
-    return w, w_hi, scale_words(tl.load(s_ptrs + k * 32, mask=mask), PTX)
+    s = tl.load(s_ptrs + k * 32, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
+    return w, w_hi, scale_words(s, PTX)
 
 
 @triton.jit
@@ -339,13 +339,13 @@ def preload_first(n_tokens: int) -> bool:
 
 @triton.jit
 def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr,
-                 PTX: tl.constexpr):
+                 PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """Step 0 of a single-stream block_stream's weights (pass them as its ``first``), read where
     ``valid`` (a scalar) holds. The weights do not depend on the previous kernel: a programmatic
     dependent reads them before it waits, so its first DRAM round trip overlaps that kernel's tail
     instead of following it."""
     w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
-    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid)
+    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid, EVICT_FIRST)
 
 
 @triton.jit
@@ -356,14 +356,14 @@ def _load_x_at(x_ptrs, y_ptrs, step, n_steps, DEPTH: tl.constexpr, GROUPS: tl.co
 
 @triton.jit
 def _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH: tl.constexpr, FP8: tl.constexpr,
-                  PAIR: tl.constexpr, PTX: tl.constexpr):
+                  PAIR: tl.constexpr, PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """Step ``step`` of block_stream's weight loads (clamped to the last step: a prefetch past the end
     re-reads it, so no load needs a mask): words, FP8's second words and scales; with PAIR the second
     stream's too, otherwise the first's again."""
     k = tl.minimum(step, n_steps - 1) * DEPTH
-    w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8, PTX)
+    w, w_hi, s = _load_blocks(w_ptrs, s_ptrs, k, FP8, PTX, None, EVICT_FIRST)
     if PAIR:
-        u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8, PTX)
+        u, u_hi, us = _load_blocks(w_ptrs + w_pair, s_ptrs + s_pair, k, FP8, PTX, None, EVICT_FIRST)
     else:
         u, u_hi, us = w, w_hi, s
     return w, w_hi, s, u, u_hi, us
@@ -412,12 +412,12 @@ def _step_product(acc, acc2, w, w_hi, s, u, u_hi, us, x0, x1, y0, y1, NW: tl.con
 @triton.jit
 def _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps,
                        PREFETCH: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr, PAIR: tl.constexpr,
-                       PTX: tl.constexpr):
+                       PTX: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """Step ``step``'s weights (``_load_weights``), after the L2 prefetch of the step PREFETCH - 1
     beyond it."""
     if PREFETCH > 0:
         _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, step - 1 + PREFETCH, n_steps, DEPTH, FP8, PAIR)
-    return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR, PTX)
+    return _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, step, n_steps, DEPTH, FP8, PAIR, PTX, EVICT_FIRST)
 
 
 @triton.jit
@@ -442,7 +442,8 @@ def _halves(t, R: tl.constexpr):
 def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
                  SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2):
+                 w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2,
+                 EVICT_FIRST: tl.constexpr = False):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
@@ -468,7 +469,8 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
-    its product, so the third step takes their registers (ExpertTiles.ring)."""
+    its product, so the third step takes their registers (ExpertTiles.ring). EVICT_FIRST: the weight loads
+    with L2's evict-first policy (what another kernel asked L2 to hold stays)."""
     tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
     tl.static_assert(not (PAIR and PRELOADED), "block_stream: a preloaded first step is one stream's")
     HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH
@@ -485,17 +487,20 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
     else:
-        wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR, PTX)
+        wa, ha, sa, ua, uha, usa = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 0, n_steps, DEPTH, FP8, PAIR, PTX,
+                                                 EVICT_FIRST)
     if RING == 2:
         xa0, xa1, ya0, ya1 = _load_x(x_ptrs, y_ptrs, 0, GROUPS)
         for it in range(n_steps // 2):  # two steps a turn: the buffers swap roles instead of being copied
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
+                                                          2 * it + 1, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,
+                                                          EVICT_FIRST)
             xb0, xb1, yb0, yb1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 1, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wa, ha, sa, ua, uha, usa, xa0, xa1, ya0, ya1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
+                                                          2 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,
+                                                          EVICT_FIRST)
             xa0, xa1, ya0, ya1 = _load_x_at(x_ptrs, y_ptrs, 2 * it + 2, n_steps, DEPTH, GROUPS)
             acc, acc2 = _step_product(acc, acc2, wb, hb, sb, ub, uhb, usb, xb0, xb1, yb0, yb1, NW * DEPTH, PTX, FP8,
                                       GROUPS, PAIR, HALVES)
@@ -505,18 +510,22 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     else:
         # Three steps a turn, two in flight while the third is multiplied; the x pairs are loaded at
         # their product (L1 / L2 hits), so the third step's weights take their registers.
-        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR, PTX)
+        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR, PTX,
+                                                 EVICT_FIRST)
         for it in range(n_steps // 3):
             wc, hc, sc, uc, uhc, usc = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
+                                                          3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,
+                                                          EVICT_FIRST)
             acc, acc2 = _late_x_product(acc, acc2, wa, ha, sa, ua, uha, usa, x_ptrs, y_ptrs, 3 * it, NW, DEPTH, PTX,
                                         FP8, GROUPS, PAIR, HALVES)
             wa, ha, sa, ua, uha, usa = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
+                                                          3 * it + 3, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,
+                                                          EVICT_FIRST)
             acc, acc2 = _late_x_product(acc, acc2, wb, hb, sb, ub, uhb, usb, x_ptrs, y_ptrs, 3 * it + 1, NW, DEPTH,
                                         PTX, FP8, GROUPS, PAIR, HALVES)
             wb, hb, sb, ub, uhb, usb = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
-                                                          3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX)
+                                                          3 * it + 4, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,
+                                                          EVICT_FIRST)
             acc, acc2 = _late_x_product(acc, acc2, wc, hc, sc, uc, uhc, usc, x_ptrs, y_ptrs, 3 * it + 2, NW, DEPTH,
                                         PTX, FP8, GROUPS, PAIR, HALVES)
         done = n_steps // 3 * 3
@@ -573,8 +582,7 @@ def fold_warps(acc, NW: tl.constexpr, KS: tl.constexpr):
 
 
 def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks as int32 words and the scale bytes as they are, after checking what the kernels
-    assume of them (see check_aligned)."""
+    """Blocks as int32 words and the scale bytes as they are, checked (check_aligned)."""
     w = w.view(torch.int32)
     check_aligned(name, w, s)
     return w, s
@@ -589,8 +597,7 @@ def check_aligned(name: str, *tensors: torch.Tensor) -> None:
         lead = [st for st, size in zip(t.stride()[:-2], t.shape[:-2]) if size > 1]
         if t.data_ptr() % 16 or any(st % 16 for st in lead):
             raise ValueError(f"{name}: the mma-layout kernels need 16-byte aligned tensors whose outer strides are "
-                             f"multiples of 16 elements, got shape {tuple(t.shape)} strides "
-                             f"{t.stride()}")
+                             f"multiples of 16 elements, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
 def aot_specs() -> list:

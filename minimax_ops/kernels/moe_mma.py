@@ -49,7 +49,8 @@ from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
+from .tiles import (check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap,
+                    weights_evict_first)
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     TWO_GROUPS: tl.constexpr, PAIRED: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr,
                     RING: tl.constexpr = 2, KS: tl.constexpr = 1, ROUTE: tl.constexpr = False,
                     HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False, sumsq_ptr=None, n_parts=1, eps=0.0,
-                    BLOCK_P: tl.constexpr = 1):
+                    BLOCK_P: tl.constexpr = 1, EVICT_FIRST: tl.constexpr = False):
     """h_ptr: int32 view of h [n, H] (stride_hm in words); w / s: the table's words and scale bytes
     [E, row blocks, K blocks, 128 | 256] / [.., 32]; strides in their own units. With SPLIT > 1 the
     H splits store fp32 (gate, up) partials [split, token, column, 2i + (0, 1)] and the last of a
@@ -180,19 +181,19 @@ def _mma_w13_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, a_ptr, part_pt
                     zp = tl.zeros([pair_sets(DEPTH) * NW * 32, 4], dtype=tl.float32)
                     gate, up = block_stream(zp, zp, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                             PTX, PREFETCH, FP8, False, 1, True, i_blocks * row_w, i_blocks * row_s,
-                                            RING=RING)
+                                            RING=RING, EVICT_FIRST=EVICT_FIRST)
                     gate2, up2 = zero, zero  # (unused: PAIRED passes take one token group, both is False)
                 elif both:
                     y_rows = h_ptr + tl.maximum(tok_y, 0).to(tl.int64) * stride_hm
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, y_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2, RING=RING)
+                                               DEPTH, PTX, PREFETCH, FP8, GROUPS=2, RING=RING, EVICT_FIRST=EVICT_FIRST)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8, GROUPS=2, RING=RING)
+                                           PREFETCH, FP8, GROUPS=2, RING=RING, EVICT_FIRST=EVICT_FIRST)
                 else:
                     gate, gate2 = block_stream(zero, zero, gate_w, gate_s, x_rows, x_rows, kb_begin, n_steps, NW,
-                                               DEPTH, PTX, PREFETCH, FP8, RING=RING)
+                                               DEPTH, PTX, PREFETCH, FP8, RING=RING, EVICT_FIRST=EVICT_FIRST)
                     up, up2 = block_stream(zero, zero, up_w, up_s, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH, PTX,
-                                           PREFETCH, FP8, RING=RING)
+                                           PREFETCH, FP8, RING=RING, EVICT_FIRST=EVICT_FIRST)
                 if PDL:
                     if SHARED_SLOT:  # (a no-op for the routed slots, which waited already)
                         gdc_wait()
@@ -241,7 +242,7 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                    NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr,
                    PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr, TWO_GROUPS: tl.constexpr,
                    PRELOAD: tl.constexpr, COMPACT: tl.constexpr, TABLE: tl.constexpr, RING: tl.constexpr = 2,
-                   ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
+                   ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, EVICT_FIRST: tl.constexpr = False):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
@@ -270,7 +271,8 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
-        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX)
+        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX,
+                             EVICT_FIRST)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -288,10 +290,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                     y_rows = (a_ptr + tl.maximum(tok_b, 0).to(tl.int64) * stride_am
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING)
+                                             PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING,
+                                             EVICT_FIRST=EVICT_FIRST)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
-                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING)
+                                             PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING,
+                                             EVICT_FIRST=EVICT_FIRST)
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -361,7 +365,7 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     common = dict(NUM_ROUTED=n_routed, E_POW2=triton.next_power_of_2(max(n_routed, 1)), TOPK=top_k,
                   K_POW2=triton.next_power_of_2(top_k), SHARED_SLOT=shared_slot, SHARED_SEPARATE=shared_separate,
                   SHARED_ONLY=shared_only, PTX=ptx, PDL=pdl, FP8=w13.fmt == FMT_MXFP8_MMA, TWO_GROUPS=two,
-                  COMPACT=compacts())
+                  COMPACT=compacts(), EVICT_FIRST=weights_evict_first(ptx))
     # ``slots`` counts the shared expert once; the grid gives it a slot per pass (program_slot).
     routed = slots - int(shared_slot or shared_only)
     shared_slots = shared_passes(n, two) if shared_slot or shared_only else 0
@@ -475,7 +479,7 @@ def aot_specs() -> list[KernelSpec]:
         two = fp8 and ptx and n_tokens > TOKENS.value and not compact  # (_two_groups)
         common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                   "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
-                  "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "PDL": pdl,
+                  "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "EVICT_FIRST": ptx, "PDL": pdl,
                   "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact and not route, "ROUTE": route, "HAS_BIAS": route}
         label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                  f"{'' if compact else '_fixed'}{'_two' if two else ''}{'_route' if route else ''}")

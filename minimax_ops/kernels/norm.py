@@ -6,6 +6,8 @@ registers and the kernel is one read of x / residual / weight and one write of e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -18,14 +20,19 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
-                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                    LAUNCH_FIRST: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # (a weight: before the wait)
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
-        gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH_FIRST:  # the dependent's programs come in (and read their weights) while this one waits
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -91,10 +98,12 @@ def check_deferred_norm(weight: torch.Tensor, sumsq: torch.Tensor, n: int, hidde
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, *, pdl: bool = False, launch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
     x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
+    ``launch_first`` (with ``pdl``): the next kernel launches before this one waits for the previous one,
+    for a next kernel that reads nothing but weights before its own wait (which then covers both).
     """
     check_rows("x", x)
     n, hidden = x.shape
@@ -110,8 +119,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     pdl = pdl and pdl_supported(x.device)
     _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out,
                           x.stride(0), residual.stride(0), h.stride(0), res_out.stride(0),
-                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, num_warps=_num_warps(block_h),
-                          launch_pdl=pdl)
+                          hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, LAUNCH_FIRST=pdl and launch_first,
+                          num_warps=_num_warps(block_h), launch_pdl=pdl)
     return h, res_out
 
 
@@ -143,4 +152,7 @@ def aot_specs() -> list[KernelSpec]:
                      "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
                     {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res}, num_warps=_num_warps(block_h),
                     name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"))
-    return with_pdl_variants(specs)
+    specs = with_pdl_variants(specs)
+    # The fused layer's input norm letting its dependent launch first (CUDA, PDL).
+    return specs + [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
+                    for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"]]

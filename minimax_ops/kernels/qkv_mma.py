@@ -35,7 +35,7 @@ from .mx_linear import mx_linear
 from .norm import check_rows
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
                            segment_launch, segment_signature)
-from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
+from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap, weights_evict_first
 
 
 @triton.jit
@@ -50,11 +50,12 @@ def _qkv_norm_rope_insert_kernel(
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, INDEX_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
-        PRELOAD: tl.constexpr):
+        PRELOAD: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
     (out = qkv), then norm_rope_insert_segment's, SEG_TOKENS tokens of a segment at a time."""
     done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
-                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD)
+                              stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD,
+                              EVICT_FIRST=EVICT_FIRST)
     if done:
         tl.debug_barrier()  # the segment's columns, stored by all warps, read back by all
         for t0 in range(0, M, SEG_TOKENS):
@@ -149,7 +150,7 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
         x32.stride(0), w.stride(0), s.stride(0), qkv.stride(0), *launch.args,
         NW=t.num_warps, DEPTH=t.depth, SPLIT=split, SPLIT_POW2=triton.next_power_of_2(split), PTX=ptx, PDL=pdl,
         PREFETCH=t.prefetch, FP8=fp8, **launch.constexprs, SEG_TOKENS=seg_tokens(m), PRELOAD=preload_first(m),
-        num_warps=t.num_warps,
+        EVICT_FIRST=weights_evict_first(ptx), num_warps=t.num_warps,
         num_stages=1, launch_pdl=pdl, **register_cap(t))
     return launch.q, launch.index_q
 
@@ -169,7 +170,7 @@ def _spec(shape: tuple, k: int, fp8: bool, ptx: bool, pdl: bool, kv_t: str, idx_
     t = _segment_tiles(t if ptx else portable_mma_tiles(t), ptx, dim)
     assert t.num_warps * MMA_ROWS == dim, (shape, t)
     gemv = dict(NW=t.num_warps, DEPTH=t.depth, SPLIT=t.split, SPLIT_POW2=triton.next_power_of_2(t.split), PTX=ptx,
-                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens))
+                PDL=pdl, PREFETCH=t.prefetch, FP8=fp8, PRELOAD=preloads(tokens), EVICT_FIRST=ptx)
     name = (f"qkv_norm_rope_insert_{'fp8' if fp8 else 'fp4'}_n{n}_k{k}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
             f"_s{t.split}_kv{kv_t[1:]}" + (f"_index{idx_t[1:]}" if idx_t else "") + f"_t{tokens}")
     return KernelSpec(_qkv_norm_rope_insert_kernel, {**_GEMV_SIG, **segment_signature(kv_t, idx_t or kv_t)},
