@@ -150,7 +150,7 @@ def aot_specs() -> list[KernelSpec]:
                     {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
                      "res_out_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
                      "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
-                    {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res}, num_warps=_num_warps(block_h),
+                    {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False}, num_warps=_num_warps(block_h),
                     name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"))
     specs = with_pdl_variants(specs)
     # The fused layer's input norm letting its dependent launch first (CUDA, PDL).
