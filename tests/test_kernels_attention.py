@@ -139,7 +139,8 @@ def test_the_fused_layers_input_norm_lets_its_dependent_launch_first(monkeypatch
     from minimax_ops.kernels import decode_layer
     monkeypatch.delenv("MINIMAX_OPS_NORM_LAUNCH_FIRST", raising=False)
     calls, add_rmsnorm = [], norm.add_rmsnorm
-    monkeypatch.setattr(norm, "add_rmsnorm", lambda *a, **k: calls.append(k.get("launch_first")) or add_rmsnorm(*a, **k))
+    monkeypatch.setattr(norm, "add_rmsnorm",
+                        lambda *a, **k: calls.append(k.get("launch_first")) or add_rmsnorm(*a, **k))
     gen = torch.Generator().manual_seed(5)
     x, residual = randn(2, 96, gen=gen), randn(2, 96, gen=gen, scale=4.0)
     weight = (torch.randn(96, generator=gen) * 0.3).bfloat16().to(DEVICE)

@@ -470,7 +470,7 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
     its product, so the third step takes their registers (ExpertTiles.ring). EVICT_FIRST: the weight loads
-    with L2's evict-first policy (what another kernel asked L2 to hold stays)."""
+    with L2's evict-first policy (read once: the rest of L2 keeps what is read again)."""
     tl.static_assert(not PAIR or GROUPS == 1, "block_stream: PAIR takes one token group")
     tl.static_assert(not (PAIR and PRELOADED), "block_stream: a preloaded first step is one stream's")
     HALVES: tl.constexpr = PAIR and pair_sets(DEPTH) < DEPTH

@@ -479,7 +479,8 @@ def aot_specs() -> list[KernelSpec]:
         two = fp8 and ptx and n_tokens > TOKENS.value and not compact  # (_two_groups)
         common = {"NUM_ROUTED": n_routed, "E_POW2": triton.next_power_of_2(n_routed), "TOPK": top_k,
                   "K_POW2": triton.next_power_of_2(top_k), "SHARED_SLOT": shared_slot,
-                  "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "EVICT_FIRST": ptx, "PDL": pdl,
+                  "SHARED_SEPARATE": shared_separate, "SHARED_ONLY": shared_only, "PTX": ptx, "EVICT_FIRST": ptx,
+                  "PDL": pdl,
                   "FP8": fp8, "TWO_GROUPS": two, "COMPACT": compact and not route, "ROUTE": route, "HAS_BIAS": route}
         label = (f"{'fp8_' if fp8 else ''}h{hidden}_{mode}{'_ptx' if ptx else ''}{'_pdl' if pdl else ''}"
                  f"{'' if compact else '_fixed'}{'_two' if two else ''}{'_route' if route else ''}")

@@ -62,7 +62,7 @@ def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv
     residual); index_slot_mapping None: a dense layer. A kernel namespace (``ops``) may offer the
     projection and the insert as one step, ``qkv_norm_rope_insert`` (the signature of
     kernels/qkv_mma.py's), and the layer's input norm apart from its other norms, ``input_add_rmsnorm``
-    (add_rmsnorm's signature; the kernels' launches differently); the vocabulary has two ops."""
+    (add_rmsnorm's signature; the kernel namespace launches it differently); the vocabulary has two ops."""
     input_norm = getattr(mm, "input_add_rmsnorm", None) if mm is not MM else None
     h, residual = (input_norm or mm.add_rmsnorm)(x, residual, w["input_norm"], c.eps)
     sparse = index_slot_mapping is not None
