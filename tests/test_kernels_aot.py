@@ -129,7 +129,7 @@ FRAGMENT_PROBE = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from minimax_ops.kernels import aot_check, linear_mma, moe_mma, qkv_mma
 
-    # Divisibility the launches guarantee (mma_decode.check_aligned checks strides; Triton specialises
+    # Divisibility the launches guarantee (mma_launch.check_aligned checks strides; Triton specialises
     # pointers and integers divisible by 16).
     SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared", "N")
     out, evict = {}, {}

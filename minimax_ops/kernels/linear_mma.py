@@ -8,7 +8,7 @@ weights once). With a warp split (KS, tiles.split_in_warps) the NW warps stream 
 KS parts of the split each, and sum the parts through shared memory. One grid split stores y;
 several store fp32 partials and the last split of a group to finish sums them in a fixed order
 (splitk.py). Launched as a programmatic dependent, a program
-reads its first weight step (steps of one token group: mma_decode.preload_first) or, with tiles
+reads its first weight step (steps of one token group: mma_launch.preload_first) or, with tiles
 that say so, asks L2 for its first load steps, before it waits for x. Tiles come from
 tiles.mma_linear_tiles.
 The program is a @triton.jit function of its own (``mma_linear_program``): qkv_mma runs it with
@@ -23,8 +23,9 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
-                         mma_operands, prefetch_step, preload_first, preloads, stream_pointers, warp_parts, warp_rows)
+from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, prefetch_step,
+                         stream_pointers, warp_parts, warp_rows)
+from .mma_launch import check_aligned, mma_operands, preload_first, preloads
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .norm import check_norm_weight, check_rows
 from .splitk import last_arrival, split_counters, sum_splits

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -324,19 +323,6 @@ def _weight_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.const
     return w_ptrs, s_ptrs
 
 
-def preloads(n_tokens: int) -> bool:
-    """The rule: the mma GEMVs and w2 of an n-token step read their first weight step apart, before
-    their PDL wait (``first_blocks``), in steps of one token group only (more hold it through
-    several passes, and 16-token steps measured slower with it). The AOT specs follow it as is."""
-    return n_tokens <= TOKENS.value
-
-
-def preload_first(n_tokens: int) -> bool:
-    """``preloads`` at a launch, unless MINIMAX_OPS_NO_PRELOAD=1 turns it off (read at every call:
-    A/B runs switch it between rounds of one process)."""
-    return preloads(n_tokens) and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
-
-
 @triton.jit
 def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr,
                  PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
@@ -579,25 +565,6 @@ def fold_warps(acc, NW: tl.constexpr, KS: tl.constexpr):
     else:
         out = tl.sum(tl.reshape(acc, [KS, NW // KS * 32, 4]), axis=0)
     return out
-
-
-def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks as int32 words and the scale bytes as they are, checked (check_aligned)."""
-    w = w.view(torch.int32)
-    check_aligned(name, w, s)
-    return w, s
-
-
-def check_aligned(name: str, *tensors: torch.Tensor) -> None:
-    """The fragment-order loads are 16-byte vectors only if every base is 16-byte aligned and every
-    stride the kernels take (all but the last two dimensions: within a row block and a K block the
-    layout is fixed) a multiple of 16 elements: Triton specialises on both (the kernels also assert
-    it with tl.multiple_of), and another layout would break the inline PTX."""
-    for t in tensors:
-        lead = [st for st, size in zip(t.stride()[:-2], t.shape[:-2]) if size > 1]
-        if t.data_ptr() % 16 or any(st % 16 for st in lead):
-            raise ValueError(f"{name}: the mma-layout kernels need 16-byte aligned tensors whose outer strides are "
-                             f"multiples of 16 elements, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
 def aot_specs() -> list:

@@ -44,8 +44,9 @@ from .expert_passes import program_slot, shared_pass, shared_passes, token_group
 from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_ids, routed_weights, slot_weights,
                            swiglu_oai)
 from .linear_mma import aot_norm_parts
-from .mma_decode import (TOKENS, block_stream, check_aligned, first_blocks, fold, fold_warps, fragment_index,
-                         mma_operands, pair_sets, preload_first, preloads, warp_parts, warp_rows)
+from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, pair_sets, warp_parts,
+                         warp_rows)
+from .mma_launch import check_aligned, mma_operands, preload_first, preloads
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits

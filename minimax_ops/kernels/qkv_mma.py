@@ -29,7 +29,8 @@ import triton.language as tl
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
-from .mma_decode import TOKENS, mma_operands, preload_first, preloads
+from .mma_decode import TOKENS
+from .mma_launch import mma_operands, preload_first, preloads
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
