@@ -159,7 +159,7 @@ def test_mma_block_product_gets_the_fragment_layout(tmp_path):
     """The inline-PTX mma.sync of kernels/mma_decode.py is only right if Triton gives each thread one
     row of the [DEPTH * NW * 32, 4] operand tensors (4 consecutive registers, one lane per row): the
     layout it picks for every PTX launch of the specs, compiled as launched (16-byte divisibility); and
-    their weight loads carry L2's evict-first hint exactly where the spec asks (tiles.weights_evict_first).
+    their weight loads carry L2's evict-first hint exactly where the spec asks (mma_launch.weights_evict_first).
     (A scale load of one word broadcast over the 4 columns once made Triton pick a row-major
     [1, 1] layout for the small launches.)"""
     (tmp_path / "probe.py").write_text(FRAGMENT_PROBE)

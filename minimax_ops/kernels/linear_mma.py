@@ -25,12 +25,12 @@ from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, prefetch_step,
                          stream_pointers, warp_parts, warp_rows)
-from .mma_launch import check_aligned, mma_operands, preload_first, preloads
+from .mma_launch import check_aligned, mma_operands, preload_first, preloads, weights_evict_first
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported, use_ptx
 from .norm import check_norm_weight, check_rows
 from .splitk import last_arrival, split_counters, sum_splits
 from .tiles import (MmaLinearTiles, check_k_steps, check_warp_split, mma_linear_tiles, num_sms, portable_mma_tiles,
-                    register_cap, weights_evict_first)
+                    register_cap)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     NORM: the stored columns are a residual add with the following RMS norm deferred (``_store_rows``:
     out_ptr gets the residual sum, xs_ptr its scaled rows, sumsq_ptr the group's sums of squares); its PDL
     dependents launch once every program has streamed its weights, not after the wait.
-    EVICT_FIRST: the weights stream with L2's evict-first policy (block_stream's; tiles.weights_evict_first)."""
+    EVICT_FIRST: the weights stream with L2's evict-first policy (block_stream's; mma_launch.weights_evict_first)."""
     NWR: tl.constexpr = NW // KS  # row blocks of the group
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)

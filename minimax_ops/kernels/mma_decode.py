@@ -291,13 +291,13 @@ def _load_blocks(w_ptrs, s_ptrs, k, FP8: tl.constexpr, PTX: tl.constexpr, mask=N
     """Words, FP8's second words (= the words for MXFP4) and scales (``scale_words``) of the blocks
     at K block k (nothing read where a mask is given and false); EVICT_FIRST: with L2's evict-first policy."""
     WORDS: tl.constexpr = 256 if FP8 else 128
-    w = tl.load(w_ptrs + k * WORDS, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
+    POLICY: tl.constexpr = "evict_first" if EVICT_FIRST else ""
+    w = tl.load(w_ptrs + k * WORDS, mask=mask, eviction_policy=POLICY)
     if FP8:
-        w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
+        w_hi = tl.load(w_ptrs + k * WORDS + 128, mask=mask, eviction_policy=POLICY)
     else:
         w_hi = w
-    s = tl.load(s_ptrs + k * 32, mask=mask, eviction_policy="evict_first" if EVICT_FIRST else "")
-    return w, w_hi, scale_words(s, PTX)
+    return w, w_hi, scale_words(tl.load(s_ptrs + k * 32, mask=mask, eviction_policy=POLICY), PTX)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Host-side rules and checks of the mma-layout kernels' launches (linear_mma, qkv_mma, moe_mma): the
-operands the fragment-order loads assume, and when a launch reads its first weight step before its PDL
-wait (mma_decode.first_blocks)."""
+operands the fragment-order loads assume, when a launch reads its first weight step before its PDL
+wait (mma_decode.first_blocks), and whether its weights stream evict-first."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ def preload_first(n_tokens: int) -> bool:
     """``preloads`` at a launch, unless MINIMAX_OPS_NO_PRELOAD=1 turns it off (read at every call:
     A/B runs switch it between rounds of one process)."""
     return preloads(n_tokens) and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
+
+
+def weights_evict_first(ptx: bool) -> bool:
+    """Whether the mma-layout kernels' PTX launches stream their weights with L2's evict-first policy: read once,
+    they then leave the rest of L2 to what is read again (activations, split-K partials, caches). The fused
+    layer and the unfused chain alike (BENCHMARKS.md, thirty-sixth session); MINIMAX_OPS_EVICT_FIRST=0 (read at
+    every launch: A/B runs switch it) turns it off."""
+    return ptx and os.environ.get("MINIMAX_OPS_EVICT_FIRST") != "0"
 
 
 def mma_operands(name: str, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,12 +46,11 @@ from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_
 from .linear_mma import aot_norm_parts
 from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, pair_sets, warp_parts,
                          warp_rows)
-from .mma_launch import check_aligned, mma_operands, preload_first, preloads
+from .mma_launch import check_aligned, mma_operands, preload_first, preloads, weights_evict_first
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import (check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap,
-                    weights_evict_first)
+from .tiles import check_k_steps, check_warp_split, mma_expert_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit

@@ -30,13 +30,13 @@ from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
 from .linear_mma import aligned_x, linear_tiles, mma_linear, mma_linear_program, split_buffers
 from .mma_decode import TOKENS
-from .mma_launch import mma_operands, preload_first, preloads
+from .mma_launch import mma_operands, preload_first, preloads, weights_evict_first
 from .mx_decode import check_weight, pdl_supported
 from .mx_linear import mx_linear
 from .norm import check_rows
 from .qk_norm_rope import (AOT_SHAPES, norm_rope_insert_segment, qk_norm_rope_insert, qkv_width, segment_constexprs,
                            segment_launch, segment_signature)
-from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap, weights_evict_first
+from .tiles import MmaLinearTiles, mma_linear_tiles, portable_mma_tiles, register_cap
 
 
 @triton.jit

@@ -219,14 +219,6 @@ _MMA_LINEAR_MAX_SPLIT = 8
 WARP_SPLIT = frozenset({"w13"})
 
 
-def weights_evict_first(ptx: bool) -> bool:
-    """Whether the mma-layout kernels' PTX launches stream their weights with L2's evict-first policy: read once,
-    they then leave the rest of L2 to what is read again (activations, split-K partials, caches). The fused
-    layer and the unfused chain alike (BENCHMARKS.md, thirty-sixth session); MINIMAX_OPS_EVICT_FIRST=0 (read at
-    every launch: A/B runs switch it) turns it off."""
-    return ptx and os.environ.get("MINIMAX_OPS_EVICT_FIRST") != "0"
-
-
 @dataclasses.dataclass(frozen=True)
 class MmaLinearTiles:
     num_warps: int  # warps per program, each streaming a row block (16 rows) or a K part of one
