@@ -67,3 +67,40 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     assert torch.equal(kv_rows[untouched].view(torch.uint8), ref_rows[untouched].view(torch.uint8))
     written = ((kv_rows[slots].float() - ref_rows[slots].float()).norm() / ref_rows[slots].float().norm()).item()
     assert written < (6e-2 if kv_dtype == torch.float8_e4m3fn else 1e-2)
+
+
+@pytest.mark.parametrize("in_qkv", [True, False])
+def test_one_token_steps_score_in_the_qkv_kernel(monkeypatch, in_qkv):
+    """One-token requests of a sparse layer in the mma layouts: the qkv kernel makes the indexer's block
+    scores (no score launch) and the attention reads q after its wait; MINIMAX_OPS_SCORE_IN_QKV=0 launches
+    the score pass. The reference within the same bounds either way, the caches as written by it."""
+    monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
+    monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "1" if in_qkv else "0")
+    from minimax_ops.kernels import attention as attention_module
+    from minimax_ops.kernels import index_topk as index_topk_module
+    score_launches, late_q = [], []
+    real_scores = index_topk_module.index_scores
+    monkeypatch.setattr(index_topk_module, "index_scores", lambda *a, **k: score_launches.append(1) or
+                        real_scores(*a, **k))
+    real_select = attention_module.index_sparse_attention_decode
+    monkeypatch.setattr(attention_module, "index_sparse_attention_decode",
+                        lambda *a, **k: late_q.append(k.get("scores_with_q", False)) or real_select(*a, **k))
+    cfg = preset("tiny").replace(hidden_size=128)  # (the mma layouts' smallest K)
+    g = torch.Generator().manual_seed(12)
+    w = random_layer_weights(cfg, 1, linear_format="mxfp8", expert_format="mxfp4", generator=g)
+    cache = allocate_caches(cfg, 16, kv_dtype=torch.float8_e4m3fn, index_dtype=torch.float8_e4m3fn, generator=g)[1]
+    meta = build_step([40, 23], 1, block_size=cfg.sparse_block_size, num_blocks=16, pad_requests=1, generator=g)
+    x = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    res = torch.randn(meta.num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    layer = MiniMaxM3DecoderLayer(cfg, to_kernel_layout(w, mma=True), 1)
+    ref_cache = cache.clone()
+    want, want_res = layer_forward(x, res, w, ref_cache, meta, cfg)
+    out, out_res = layer.fused_forward(x, res, meta.positions, cache, meta)
+    assert late_q == [in_qkv] and len(score_launches) == (0 if in_qkv else 1)
+    real = meta.num_tokens - 1  # the padding request's row
+    assert ((out[:real].float() - want[:real]).norm() / want[:real].norm()).item() < 3e-2
+    assert ((out_res[:real].float() - want_res[:real]).norm() / want_res[:real].norm()).item() < 1e-2
+    index_slots = meta.index_slot_mapping[meta.index_slot_mapping >= 0]
+    got_keys = cache.index.reshape(-1, cache.index.shape[-1])[index_slots].float()
+    want_keys = ref_cache.index.reshape(-1, ref_cache.index.shape[-1])[index_slots].float()
+    assert ((got_keys - want_keys).norm() / want_keys.norm()).item() < 6e-2

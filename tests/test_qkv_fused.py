@@ -200,3 +200,70 @@ def test_steps_of_more_token_groups_run_the_two_kernels(device, monkeypatch):
     got = _run(qkv_mma.qkv_norm_rope_insert, a, kv1, index1, kw)
     _same_results(got, want, (kv1, index1), (kv2, index2))
     _check_reference(got[0], got[1], kv1, index1, a, dense_w, kw, True)
+
+
+def _score_step(a, n, bs, seed):
+    """n one-token requests over the case's index cache: a block table of distinct pages a request, lengths
+    of 2+ blocks (a padding request of length 0 where the case has a padding row), and the index slot of
+    each live request's new token at its last position, so that the score of its last block reads the key
+    the kernel inserts."""
+    gen = torch.Generator().manual_seed(seed)
+    width = NUM_BLOCKS // n
+    table = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in range(n)]).int()
+    lens = torch.randint(bs + 1, width * bs + 1, (n,), generator=gen).int()
+    islots = (table[torch.arange(n), (lens - 1).long() // bs].long() * bs + (lens.long() - 1) % bs)
+    if n > 1:
+        lens[1], islots[1] = 0, -1  # the padding row
+    dev = a["h"].device
+    return {**a, "islots": islots.to(dev)}, table.to(dev), lens.to(dev)
+
+
+@pytest.mark.parametrize("fmt,n,split", [("mxfp4", 1, 4), ("mxfp8", 3, 4), ("mxfp8", 1, 1)])
+def test_scores_in_the_qkv_kernel(fmt, n, split, device, monkeypatch):
+    """qkv_norm_rope_insert_scores in one kernel: q, index_q and both caches bit for bit as the one-kernel
+    qkv_norm_rope_insert left them, the block scores as index_scores makes them from those (every block a
+    request has, its last one holding the key the kernel inserted; a padding request scores nothing), and
+    the kernel's arrival counts back at 0 after each of two launches."""
+    from minimax_ops.kernels import splitk
+    from minimax_ops.kernels.index_topk import index_scores
+    a, _, kw = _case(SMALL, True, n, 256, fmt, FP8, FP8, device, seed=40 + n + split)
+    a, table, lens = _score_step(a, n, SMALL[5], seed=n + split)
+    tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, split)
+    kv2, index2 = a["kv"].clone(), a["index"].clone()
+    want = _run(qkv_mma.qkv_norm_rope_insert, a, kv2, index2, kw, tiles=tiles)
+    want_scores = index_scores(want[1], index2, table, lens, 1)
+    monkeypatch.setattr(qkv_mma, "index_scores", None)  # (the two launches would call it)
+    _forbid_two_kernels(monkeypatch)
+    for launch in range(2):
+        kv1, index1 = a["kv"].clone(), a["index"].clone()
+        q, index_q, scores, in_kernel = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles,
+                                             block_table=table, seq_lens=lens, query_len=1)
+        assert in_kernel
+        _same_results((q, index_q), want, (kv1, index1), (kv2, index2))
+        nb = (lens.long() + SMALL[5] - 1) // SMALL[5]
+        scored = torch.arange(table.shape[1], device=lens.device)[None, None, :] < nb[:, None, None]
+        assert scored.any()
+        torch.testing.assert_close(scores[scored.expand_as(scores)], want_scores[scored.expand_as(scores)],
+                                   rtol=1e-5, atol=1e-5)
+        segments = SMALL[0] + 2 * SMALL[1] + SMALL[2] + 1
+        counts = splitk.split_counters(lens.device, segments + 2)[segments:segments + 2]
+        assert counts.tolist() == [0, 0], f"launch {launch}: arrival counts left at {counts.tolist()}"
+
+
+def test_scores_in_the_qkv_kernel_switch(device, monkeypatch):
+    """MINIMAX_OPS_SCORE_IN_QKV=0 and steps of longer requests launch the score pass apart, with its values."""
+    a, _, kw = _case(SMALL, True, 2, 256, "mxfp4", FP8, FP8, device, seed=61)
+    a, table, lens = _score_step(a, 2, SMALL[5], seed=62)
+    tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, 4)
+    kv1, index1 = a["kv"].clone(), a["index"].clone()
+    *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table,
+                    seq_lens=lens, query_len=1)
+    assert made
+    monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "0")
+    *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table,
+                    seq_lens=lens, query_len=1)
+    assert not made
+    monkeypatch.delenv("MINIMAX_OPS_SCORE_IN_QKV")
+    *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table[:1],
+                    seq_lens=lens[:1], query_len=2)
+    assert not made
