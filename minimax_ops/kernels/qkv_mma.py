@@ -11,6 +11,14 @@ the step, all tokens at once. Same code, same roundings as mx_linear + qk_norm_r
 same bits (qk_norm_rope's docstring says why the body does not depend on the warps it runs with);
 what goes is a launch, its wait on the GEMV's tail and the re-read of qkv by another kernel.
 
+In steps of one-token requests the kernel also makes the indexer's score pass
+(``qkv_norm_rope_insert_scores``): its grid is 1-D with the index segments' programs first
+(linear_mma.group_and_split), each counting in (splitk.count_in) once its segment is inserted; every
+later program, after its own GEMV, waits for those counts (splitk.wait_for: the programs it waits for
+were launched before it, so they are resident or done) and scores its share of the index cache's blocks
+(index_topk.score_share). One launch fewer, and the attention split that follows waits for this kernel,
+not for a score kernel launched after its tail.
+
 Where the one-kernel path does not apply (a weight not in an mma layout, a GEMV group that is not
 one segment: NW * 16 != head_dim, a step of more than ONE_KERNEL_TOKENS tokens)
 ``qkv_norm_rope_insert`` runs the two kernels instead, with the same results. Off PTX (interpreter,
