@@ -71,9 +71,9 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
 
 @pytest.mark.parametrize("in_qkv", [True, False])
 def test_one_token_steps_score_in_the_qkv_kernel(monkeypatch, in_qkv):
-    """One-token requests of a sparse layer in the mma layouts: the qkv kernel makes the indexer's block
-    scores (no score launch) and the attention reads q after its wait; MINIMAX_OPS_SCORE_IN_QKV=0 launches
-    the score pass. The reference within the same bounds either way, the caches as written by it."""
+    """One-token requests of a sparse layer in the mma layouts: with MINIMAX_OPS_SCORE_IN_QKV=1 the qkv kernel
+    makes the indexer's block scores (no score launch) and the attention reads q after its wait; without it
+    the score pass launches. The reference within the same bounds either way, the caches as written by it."""
     monkeypatch.setenv("MINIMAX_OPS_CPU_KERNELS", "1")
     monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "1" if in_qkv else "0")
     from minimax_ops.kernels import attention as attention_module

@@ -226,6 +226,7 @@ def test_scores_in_the_qkv_kernel(fmt, n, split, device, monkeypatch):
     the kernel's arrival counts back at 0 after each of two launches."""
     from minimax_ops.kernels import splitk
     from minimax_ops.kernels.index_topk import index_scores
+    monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "1")
     a, _, kw = _case(SMALL, True, n, 256, fmt, FP8, FP8, device, seed=40 + n + split)
     a, table, lens = _score_step(a, n, SMALL[5], seed=n + split)
     tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, split)
@@ -251,19 +252,20 @@ def test_scores_in_the_qkv_kernel(fmt, n, split, device, monkeypatch):
 
 
 def test_scores_in_the_qkv_kernel_switch(device, monkeypatch):
-    """MINIMAX_OPS_SCORE_IN_QKV=0 and steps of longer requests launch the score pass apart, with its values."""
+    """Only MINIMAX_OPS_SCORE_IN_QKV=1 scores in the qkv kernel (the default, and steps of longer requests,
+    launch the score pass apart)."""
     a, _, kw = _case(SMALL, True, 2, 256, "mxfp4", FP8, FP8, device, seed=61)
     a, table, lens = _score_step(a, 2, SMALL[5], seed=62)
     tiles = MmaLinearTiles(SMALL[3] // 16, 1, 0, 4)
     kv1, index1 = a["kv"].clone(), a["index"].clone()
-    *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table,
-                    seq_lens=lens, query_len=1)
-    assert made
-    monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "0")
+    monkeypatch.delenv("MINIMAX_OPS_SCORE_IN_QKV", raising=False)
     *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table,
                     seq_lens=lens, query_len=1)
     assert not made
-    monkeypatch.delenv("MINIMAX_OPS_SCORE_IN_QKV")
+    monkeypatch.setenv("MINIMAX_OPS_SCORE_IN_QKV", "1")
+    *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table,
+                    seq_lens=lens, query_len=1)
+    assert made
     *_, made = _run(qkv_mma.qkv_norm_rope_insert_scores, a, kv1, index1, kw, tiles=tiles, block_table=table[:1],
                     seq_lens=lens[:1], query_len=2)
     assert not made

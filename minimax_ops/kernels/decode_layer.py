@@ -14,8 +14,8 @@ chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / 
 offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), and in
 place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
-memory), for the steps from the qkv projection to the attention ``project_index_sparse_attention`` (in
-one-token steps the score pass made by the qkv kernel's own programs), in place of the route +
+memory), for the steps from the qkv projection to the attention ``project_index_sparse_attention`` (opt-in,
+in one-token steps: the score pass made by the qkv kernel's own programs), in place of the route +
 moe_experts pair ``routed_moe_experts`` (one-token steps on mma-layout tables make the router's top-k
 inside the expert kernels, kernels/moe.py; other steps launch the pair), and where no all-reduce separates the halves the o_proj + post norm + router +
 experts steps as one, ``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last

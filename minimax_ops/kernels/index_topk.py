@@ -142,10 +142,10 @@ def prefetch_share_keys(cache_ptr, block_table_ptr, seq_lens_ptr, share, stride_
 
 
 @triton.jit
-def _half_max(keys, q, b, half, seq_len, BLOCK_SIZE: tl.constexpr):
-    """The max over half ``half`` of block b's causal positions of q . key (fp32 FMAs)."""
+def _half_dots(keys, q, b, half, seq_len, BLOCK_SIZE: tl.constexpr):
+    """q . key at each position of half ``half`` of block b (fp32 FMAs), -inf past the causal ones."""
     pos = b * BLOCK_SIZE + half * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)
-    return tl.max(tl.where(pos < seq_len, tl.sum(keys.to(tl.float32) * q[None, :], axis=1), float("-inf")), axis=0)
+    return tl.where(pos < seq_len, tl.sum(keys.to(tl.float32) * q[None, :], axis=1), float("-inf"))
 
 
 @triton.jit
@@ -169,9 +169,10 @@ def score_share(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num
                             BLOCK_SIZE, INDEX_DIM)
             for h in tl.static_range(INDEX_HEADS):
                 q = tl.load(q_ptr + req * stride_qn + h * stride_qh + d, cache_modifier=".cg").to(tl.float32)
-                score = tl.maximum(_half_max(k0, q, b, 0, seq_len, BLOCK_SIZE),
-                                   _half_max(k1, q, b, 1, seq_len, BLOCK_SIZE))
-                tl.store(scores_ptr + req * stride_sn + h * stride_sh + b, score)
+                # (one reduction across the warps a head: the halves' positions meet first, lane by lane)
+                dots = tl.maximum(_half_dots(k0, q, b, 0, seq_len, BLOCK_SIZE), _half_dots(k1, q, b, 1, seq_len,
+                                                                                           BLOCK_SIZE))
+                tl.store(scores_ptr + req * stride_sn + h * stride_sh + b, tl.max(dots, axis=0))
 
 
 @triton.jit

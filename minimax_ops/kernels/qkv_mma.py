@@ -11,8 +11,8 @@ the step, all tokens at once. Same code, same roundings as mx_linear + qk_norm_r
 same bits (qk_norm_rope's docstring says why the body does not depend on the warps it runs with);
 what goes is a launch, its wait on the GEMV's tail and the re-read of qkv by another kernel.
 
-In steps of one-token requests the kernel also makes the indexer's score pass
-(``qkv_norm_rope_insert_scores``): its grid is 1-D with the index segments' programs first
+In steps of one-token requests, where ``scores_in_kernel`` says so (opt-in), the kernel also makes the
+indexer's score pass (``qkv_norm_rope_insert_scores``): its grid is 1-D with the index segments' programs first
 (linear_mma.group_and_split), each counting in (splitk.count_in) once its segment is inserted; every
 later program, after its own GEMV, waits for those counts (splitk.wait_for: the programs it waits for
 were launched before it, so they are resident or done) and scores its share of the index cache's blocks
@@ -63,7 +63,7 @@ def _qkv_norm_rope_insert_kernel(
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
         PRELOAD: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
-        SCORE: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = True,
+        SCORE: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = True, DIAG: tl.constexpr = 0,
         block_table_ptr=None, seq_lens_ptr=None, scores_ptr=None, ready_ptr=None, stride_bt=0, stride_sn=0,
         stride_sh=0, num_reqs=0):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
@@ -100,10 +100,12 @@ def _qkv_norm_rope_insert_kernel(
     if SCORE:
         if share >= 0:
             shares = tl.num_programs(0) - leading
-            wait_for(ready_ptr, INDEX_HEADS + 1, shares)
-            score_share(index_q_out_ptr, index_cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num_reqs, share,
-                        shares, INDEX_HEADS * HEAD_DIM, HEAD_DIM, stride_ic_block, stride_ic_slot,
-                        stride_bt, stride_sn, stride_sh, INDEX_HEADS, HEAD_DIM, BLOCK_SIZE)
+            if DIAG & 2 == 0:
+                wait_for(ready_ptr, INDEX_HEADS + 1, shares)
+            if DIAG & 1 == 0:
+                score_share(index_q_out_ptr, index_cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num_reqs, share,
+                            shares, INDEX_HEADS * HEAD_DIM, HEAD_DIM, stride_ic_block, stride_ic_slot,
+                            stride_bt, stride_sn, stride_sh, INDEX_HEADS, HEAD_DIM, BLOCK_SIZE)
 
 
 # Steps of more tokens (more than one token group of the mma) run the two kernels: at 16 tokens the one kernel,
@@ -194,8 +196,9 @@ def qkv_norm_rope_insert_scores(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_s
 
 def scores_in_kernel(n_tokens: int, query_len: int) -> bool:
     """Whether the score pass runs in the qkv kernel (where the one-kernel path runs): steps of
-    one-token requests, unless MINIMAX_OPS_SCORE_IN_QKV=0 (read at every call)."""
-    return query_len == 1 and n_tokens <= ONE_KERNEL_TOKENS and os.environ.get("MINIMAX_OPS_SCORE_IN_QKV") != "0"
+    one-token requests where MINIMAX_OPS_SCORE_IN_QKV=1 (read at every call). Opt-in: it measured
+    slower than the score kernel (BENCHMARKS.md, thirty-seventh session)."""
+    return query_len == 1 and n_tokens <= ONE_KERNEL_TOKENS and os.environ.get("MINIMAX_OPS_SCORE_IN_QKV") == "1"
 
 
 def _run(h, qkv_weight, qkv_scale, step: tuple, kw: dict, pdl: bool, tiles: MmaLinearTiles | None,
@@ -236,6 +239,7 @@ def _run(h, qkv_weight, qkv_scale, step: tuple, kw: dict, pdl: bool, tiles: MmaL
             scores = torch.empty(m, kw["index_heads"], block_table.shape[1], dtype=torch.float32, device=h.device)
             grid = (launch.segments * split,)
             scoring = dict(SCORE=True, PREFETCH_KEYS=os.environ.get("MINIMAX_OPS_SCORE_PREFETCH") != "0",
+                           DIAG=int(os.environ.get("MINIMAX_OPS_SCORE_DIAG", "0")),
                            block_table_ptr=block_table, seq_lens_ptr=seq_lens, scores_ptr=scores,
                            ready_ptr=ready[launch.segments:], stride_bt=block_table.stride(0),
                            stride_sn=scores.stride(0), stride_sh=scores.stride(1), num_reqs=block_table.shape[0])

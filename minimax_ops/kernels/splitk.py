@@ -50,9 +50,12 @@ def wait_for(cnt_ptr, expected, waiters):
     counted ones cannot be waiting behind: launched after them (linear_mma.group_and_split), or every
     program of the grid resident at once; in the interpreter (programs run one after another) the
     counted programs must come first."""
-    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    # Plain L2 reads while spinning (many programs' read-modify-writes of one word would queue at its L2 slice,
+    # the counting programs' among them), then one acquire.
+    seen = tl.load(cnt_ptr, volatile=True)
     while seen < expected:
-        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        seen = tl.load(cnt_ptr, volatile=True)
+    tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     if tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed", scope="gpu") == waiters - 1:
         tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
