@@ -17,10 +17,11 @@ pass, then sparse attention making the top-k selection in-kernel: no top-k kerne
 memory), for the steps from the qkv projection to the attention ``project_index_sparse_attention`` (opt-in,
 in one-token steps: the score pass made by the qkv kernel's own programs), in place of the route +
 moe_experts pair ``routed_moe_experts`` (one-token steps on mma-layout tables make the router's top-k
-inside the expert kernels, kernels/moe.py; other steps launch the pair), and where no all-reduce separates the halves the o_proj + post norm + router +
-experts steps as one, ``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last
-programs, the router and w13, where the step routes in-kernel); the chain takes each when offered.
-Inputs were checked by the fused op before the first launch.
+inside the expert kernels, kernels/moe.py; other steps launch the pair), and where no all-reduce
+separates the halves the o_proj + post norm + router + experts steps as one,
+``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last programs, the router and
+w13, where the step routes in-kernel); the chain takes each when offered. Inputs were checked by the
+fused op before the first launch.
 """
 
 from __future__ import annotations

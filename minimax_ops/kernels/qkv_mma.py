@@ -103,8 +103,8 @@ def _qkv_norm_rope_insert_kernel(
             if DIAG & 2 == 0:
                 wait_for(ready_ptr, INDEX_HEADS + 1, shares)
             if DIAG & 1 == 0:
-                score_share(index_q_out_ptr, index_cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num_reqs, share,
-                            shares, INDEX_HEADS * HEAD_DIM, HEAD_DIM, stride_ic_block, stride_ic_slot,
+                score_share(index_q_out_ptr, index_cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num_reqs,
+                            share, shares, INDEX_HEADS * HEAD_DIM, HEAD_DIM, stride_ic_block, stride_ic_slot,
                             stride_bt, stride_sn, stride_sh, INDEX_HEADS, HEAD_DIM, BLOCK_SIZE)
 
 
