@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .mma_decode import prefetch_lines
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
 
@@ -125,20 +124,6 @@ def _half_keys(cache_ptr, block_table_ptr, req, b, half, seq_len, stride_cb, str
     page = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
     ptrs = cache_ptr + page * stride_cb + offs[:, None] * stride_cs + tl.arange(0, INDEX_DIM)[None, :]
     return tl.load(ptrs, mask=(b * BLOCK_SIZE + offs < seq_len)[:, None], other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def prefetch_share_keys(cache_ptr, block_table_ptr, seq_lens_ptr, share, stride_cb, stride_cs, stride_bt,
-                        BLOCK_SIZE: tl.constexpr, INDEX_DIM: tl.constexpr):
-    """Asks L2 for the keys of ``score_share``'s first block (request 0's block ``share``; nothing where
-    share < 0 or past the request's blocks): inline PTX, CUDA only."""
-    seq_len = tl.load(seq_lens_ptr)
-    ok = (share >= 0) & (share < tl.cdiv(tl.maximum(seq_len, 0), BLOCK_SIZE))
-    page = tl.load(block_table_ptr + tl.maximum(share, 0), mask=ok, other=0).to(tl.int64)
-    ROW_BYTES: tl.constexpr = INDEX_DIM * cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-    rows = tl.arange(0, BLOCK_SIZE)[:, None] * stride_cs + (tl.arange(0, (ROW_BYTES + 127) // 128) * 128 * INDEX_DIM
-                                                          // ROW_BYTES)[None, :]
-    prefetch_lines(cache_ptr + page * stride_cb + rows, (rows >= 0) & ok)
 
 
 @triton.jit

@@ -257,7 +257,7 @@ _PREFETCH_LINE = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefe
 
 
 @triton.jit
-def prefetch_lines(ptrs, flag):
+def _prefetch_lines(ptrs, flag):
     """Ask L2 for the 128-byte line at each pointer whose flag is set (no wait, no registers)."""
     tl.inline_asm_elementwise(_PREFETCH_LINE, "=r,l,r", [ptrs.to(tl.int64, bitcast=True), flag.to(tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=1)
@@ -270,10 +270,10 @@ def prefetch_step(w_ptrs, s_ptrs, w_lead, s_lead, step, n_steps, DEPTH: tl.const
     block for the scales (pointers and flags from ``stream_pointers``)."""
     WORDS: tl.constexpr = 256 if FP8 else 128
     k = tl.minimum(step, n_steps - 1) * DEPTH
-    prefetch_lines(w_ptrs + k * WORDS, w_lead)
+    _prefetch_lines(w_ptrs + k * WORDS, w_lead)
     if FP8:
-        prefetch_lines(w_ptrs + k * WORDS + 128, w_lead)
-    prefetch_lines(s_ptrs + k * 32, s_lead)
+        _prefetch_lines(w_ptrs + k * WORDS + 128, w_lead)
+    _prefetch_lines(s_ptrs + k * 32, s_lead)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..formats import FMT_MXFP8_MMA, MMA_K, MMA_ROWS
 from .aot import KernelSpec
-from .index_topk import check_index_inputs, index_scores, prefetch_share_keys, score_share
+from .index_topk import check_index_inputs, index_scores, score_share
 from .linear_mma import aligned_x, group_and_split, linear_tiles, mma_linear, mma_linear_program, split_buffers
 from .mma_decode import TOKENS
 from .mma_launch import mma_operands, preload_first, preloads, weights_evict_first
@@ -63,7 +63,7 @@ def _qkv_norm_rope_insert_kernel(
         HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SEG_TOKENS: tl.constexpr,
         PRELOAD: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
-        SCORE: tl.constexpr = False, PREFETCH_KEYS: tl.constexpr = True, DIAG: tl.constexpr = 0,
+        SCORE: tl.constexpr = False, DIAG: tl.constexpr = 0,
         block_table_ptr=None, seq_lens_ptr=None, scores_ptr=None, ready_ptr=None, stride_bt=0, stride_sn=0,
         stride_sh=0, num_reqs=0):
     """Grid (segment = group of NW row blocks, K split): the GEMV arguments as mma_linear_program's
@@ -74,12 +74,6 @@ def _qkv_norm_rope_insert_kernel(
     IQ_SEG: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
     LEAD: tl.constexpr = IQ_SEG if SCORE else -1
     seg, _ = group_and_split(SPLIT, LEAD)
-    if SCORE:
-        leading = (INDEX_HEADS + 1) * SPLIT
-        share = tl.program_id(0) - leading
-        if PTX and PREFETCH_KEYS:  # the share's first keys into L2 under the GEMV (the weights stream evict-first)
-            prefetch_share_keys(index_cache_ptr, block_table_ptr, seq_lens_ptr, share, stride_ic_block, stride_ic_slot,
-                                stride_bt, BLOCK_SIZE, HEAD_DIM)
     done = mma_linear_program(x_ptr, w_ptr, s_ptr, qkv_ptr, part_ptr, cnt_ptr, M, N, k_blocks, stride_xm, stride_wb,
                               stride_sb, stride_qkv, NW, DEPTH, SPLIT, SPLIT_POW2, PTX, PDL, PREFETCH, FP8, PRELOAD,
                               EVICT_FIRST=EVICT_FIRST, LEAD=LEAD)
@@ -98,6 +92,8 @@ def _qkv_norm_rope_insert_kernel(
             if seg >= IQ_SEG:  # index_q or the index key, stored: the score programs may read it
                 count_in(ready_ptr)
     if SCORE:
+        leading = (INDEX_HEADS + 1) * SPLIT
+        share = tl.program_id(0) - leading
         if share >= 0:
             shares = tl.num_programs(0) - leading
             if DIAG & 2 == 0:
@@ -155,9 +151,8 @@ def qkv_norm_rope_insert(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_scale: t
     programmatic dependent (it asks L2 for its first weight steps, then waits before reading h);
     CUDA sm_90+ only, ignored elsewhere. ``tiles`` overrides the GEMV's tile heuristic as in
     linear_mma.mma_linear (tests, tuning; mma layouts only)."""
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
-              v_scale=v_scale)
+    kw = _heads(num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim, k_scale,
+                v_scale)
     q, index_q, _ = _run(h, qkv_weight, qkv_scale, (positions, slot_mapping, index_slot_mapping, q_norm, k_norm,
                                                     index_q_norm, index_k_norm, kv_cache, index_cache), kw, pdl, tiles)
     return q, index_q
@@ -179,9 +174,8 @@ def qkv_norm_rope_insert_scores(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_s
     do not hold an index segment score the index cache's blocks once the index segments are stored (no
     score launch, no wait on the GEMV's tail); otherwise the two launches (the score pass a programmatic
     dependent in one-token steps, as the fused layer launches it)."""
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-              rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
-              v_scale=v_scale)
+    kw = _heads(num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim, k_scale,
+                v_scale)
     if index_heads <= 0:
         raise ValueError(f"index_heads: expected > 0 (a sparse layer's projection), got {index_heads}")
     score = (block_table, seq_lens, query_len)
@@ -192,6 +186,13 @@ def qkv_norm_rope_insert_scores(h: torch.Tensor, qkv_weight: torch.Tensor, qkv_s
         return q, index_q, scores, True
     return q, index_q, index_scores(index_q, index_cache, block_table, seq_lens, query_len,
                                     pdl=pdl and h.shape[0] == 1), False
+
+
+def _heads(num_heads, num_kv_heads, head_dim, rotary_dim, rope_theta, eps, index_heads, index_dim, k_scale, v_scale):
+    """The insert's keyword arguments, as segment_launch and qk_norm_rope_insert take them."""
+    return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                rope_theta=rope_theta, eps=eps, index_heads=index_heads, index_dim=index_dim, k_scale=k_scale,
+                v_scale=v_scale)
 
 
 def scores_in_kernel(n_tokens: int, query_len: int) -> bool:
@@ -238,8 +239,7 @@ def _run(h, qkv_weight, qkv_scale, step: tuple, kw: dict, pdl: bool, tiles: MmaL
         if ready is not None and scores_in_kernel(m, query_len):
             scores = torch.empty(m, kw["index_heads"], block_table.shape[1], dtype=torch.float32, device=h.device)
             grid = (launch.segments * split,)
-            scoring = dict(SCORE=True, PREFETCH_KEYS=os.environ.get("MINIMAX_OPS_SCORE_PREFETCH") != "0",
-                           DIAG=int(os.environ.get("MINIMAX_OPS_SCORE_DIAG", "0")),
+            scoring = dict(SCORE=True, DIAG=int(os.environ.get("MINIMAX_OPS_SCORE_DIAG", "0")),
                            block_table_ptr=block_table, seq_lens_ptr=seq_lens, scores_ptr=scores,
                            ready_ptr=ready[launch.segments:], stride_bt=block_table.stride(0),
                            stride_sn=scores.stride(0), stride_sh=scores.stride(1), num_reqs=block_table.shape[0])

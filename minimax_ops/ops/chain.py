@@ -57,6 +57,13 @@ def _heads(c):
     return c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.eps
 
 
+def _insert_kwargs(c, sparse: bool) -> dict:
+    """The keyword arguments of a kernel namespace's one-step projection + insert (kernels/qkv_mma.py's)."""
+    index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
+    return dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
+                rope_theta=c.rope_theta, eps=c.eps, **index, k_scale=c.k_scale, v_scale=c.v_scale)
+
+
 def _input_norm(x, residual, w, c, mm):
     input_norm = getattr(mm, "input_add_rmsnorm", None) if mm is not MM else None
     return (input_norm or mm.add_rmsnorm)(x, residual, w["input_norm"], c.eps)
@@ -72,12 +79,9 @@ def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv
     sparse = index_slot_mapping is not None
     one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
     if one_step is not None:
-        index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
         q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
                               w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
-                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, **index,
-                              k_scale=c.k_scale, v_scale=c.v_scale)
+                              **_insert_kwargs(c, sparse))
         return q, index_q, residual
     qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
     if sparse:
@@ -105,9 +109,7 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
         h, residual = _input_norm(x, residual, w, c, mm)
         attn = whole(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"],
                      w["index_q_norm"], w["index_k_norm"], kv_cache, index_cache, block_table, seq_lens, c.query_len,
-                     c.topk_blocks, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                     rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, index_heads=c.index_heads,
-                     index_dim=c.index_dim, k_scale=c.k_scale, v_scale=c.v_scale)
+                     c.topk_blocks, **_insert_kwargs(c, True))
         return _out_projection(attn, residual, w, c, mm)
     q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
                                            index_cache, w, c, mm)
