@@ -103,7 +103,6 @@ def _stages():
             return _first_full("merge", kv_cache.data_ptr(), attention_, q, index_q, kv_cache, *args)
         return _first_call("attention", kv_cache.data_ptr(), attention_, q, index_q, kv_cache, *args)
     ns.index_sparse_attention = index_sparse_attention
-    del ns.project_index_sparse_attention  # (the chain then takes index_sparse_attention above)
     del ns.input_add_rmsnorm  # (both norms through add_rmsnorm, told apart by their call order)
     return ns
 

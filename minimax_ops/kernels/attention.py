@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import torch
 import triton
@@ -52,21 +51,6 @@ _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several
 
 
 @triton.jit
-def _group_q(q_ptr, tok, kv_head, stride_qn, stride_qh, g, g_ok, d, GROUP: tl.constexpr, F16: tl.constexpr,
-             DOT_FP32: tl.constexpr):
-    """The GROUP query heads of kv_head (rows g, BLOCK_G >= 16 for tl.dot; extra rows zeros), as the dots take them."""
-    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qn + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None], other=0.0)
-    if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; GPUs take bf16 x bf16 -> fp32
-        q = q.to(tl.float32)
-    elif F16:
-        # fp8 K / V: fp16 operands. e4m3 -> fp16 is one exact conversion per pair of values (bf16 takes
-        # three instructions per value); q is RMS-normed, far inside fp16's range; p <= 1 keeps more bits.
-        q = q.to(tl.float16)
-    return q
-
-
-@triton.jit
 def _attention_split_kernel(
         q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr,
         stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
@@ -74,7 +58,7 @@ def _attention_split_kernel(
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
         SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, PAGES: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False, Q_LATE: tl.constexpr = False):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
     # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
@@ -102,8 +86,14 @@ def _attention_split_kernel(
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP  # BLOCK_G >= 16 rows for tl.dot; extra rows are zeros and never stored
     d = tl.arange(0, HEAD_DIM)
-    if not Q_LATE:
-        q = _group_q(q_ptr, tok, kv_head, stride_qn, stride_qh, g, g_ok, d, GROUP, F16, DOT_FP32)
+    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qn + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter's bf16 tl.dot is wrong; GPUs take bf16 x bf16 -> fp32
+        q = q.to(tl.float32)
+    elif F16:
+        # fp8 K / V: fp16 operands. e4m3 -> fp16 is one exact conversion per pair of values (bf16 takes
+        # three instructions per value); q is RMS-normed, far inside fp16's range; p <= 1 keeps more bits.
+        q = q.to(tl.float16)
     if SELECT and PAGES_FIRST:
         # The pages of the first PAGES blocks (the step's metadata, not the indexer's output): read before
         # the wait, so that a selection from a row of up to PAGES blocks finds its pages in registers.
@@ -112,12 +102,9 @@ def _attention_split_kernel(
     if PDL and not DENSE:
         # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
         # the new token's k / v come from the launch before it, complete once the indexer started, so
-        # they are read before the wait (everything this kernel stores still comes after it); where the
-        # qkv kernel made the scores itself (Q_LATE) q is read after the wait.
+        # they are read before the wait (everything this kernel stores still comes after it).
         gdc_wait()
         gdc_launch_dependents()
-    if Q_LATE:  # q is the previous kernel's output too
-        q = _group_q(q_ptr, tok, kv_head, stride_qn, stride_qh, g, g_ok, d, GROUP, F16, DOT_FP32)
     if SELECT:
         # index_topk's selection from the scores (read after the wait: the indexer wrote them); unique
         # ids, -1 past min(nb, topk), so there are no repeats to skip.
@@ -284,7 +271,7 @@ def _check_common(q, kv_cache, block_table, seq_lens, query_len):
 
 
 def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl, block_ids=None,
-            scores=None, topk=0, q_late=False):
+            scores=None, topk=0):
     """Split + merge launches. The selection: block_ids (sparse), scores + topk (SELECT), neither (dense)."""
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -320,8 +307,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
         PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
         F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
-        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", Q_LATE=q_late and pdl,
-        num_warps=4,
+        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
         num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
     _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
                                         HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -349,15 +335,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, topk: int,
                                   k_scale: float = 1.0, v_scale: float = 1.0, *,
-                                  num_splits: int | None = None, pdl: bool = False,
-                                  scores_with_q: bool = False) -> torch.Tensor:
+                                  num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """sparse_attention_decode over index_topk's selection made in-kernel: scores fp32 [n, KVH, W] are
     the indexer's block scores (kernels/index_topk.py ``index_scores``, index head h serving kv head h,
     W = block_table's width); each token's kv head attends over the blocks index_topk would choose
     (the local block and the best others, topk at most). Equal to index_topk + sparse_attention_decode
-    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait, and q
-    before it (made by the launch before the score pass) unless ``scores_with_q``: the previous kernel
-    made both (qkv_mma.qkv_norm_rope_insert_scores)."""
+    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait."""
     _check_common(q, kv_cache, block_table, seq_lens, query_len)
     n, kv_heads, width = q.shape[0], kv_cache.shape[1], block_table.shape[1]
     _need(scores.dim() == 3 and scores.shape == (n, kv_heads, width) and scores.dtype == torch.float32
@@ -366,7 +349,7 @@ def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cach
           f"contiguous last dimension, got {scores.dtype} shape {tuple(scores.shape)}")
     _need(topk >= 1, f"topk: expected >= 1, got {topk}")
     return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl,
-                   scores=scores, topk=topk, q_late=scores_with_q)
+                   scores=scores, topk=topk)
 
 
 def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -404,7 +387,7 @@ def aot_specs() -> list[KernelSpec]:
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
                          "CHUNK": chunk if select else 1, "PAGES": near_pages(width, topk) if select else 1,
-                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select, "Q_LATE": False},
+                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(
@@ -412,8 +395,4 @@ def aot_specs() -> list[KernelSpec]:
             {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
              "stride_on": "i32"},
             {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
-    specs = with_pdl_variants(specs)
-    # The one-token select launch after a qkv kernel that made the scores (q read after the wait).
-    late = [s for s in specs if s.constexprs.get("SELECT") and s.constexprs.get("PDL")
-            and s.constexprs["QUERY_LEN"] == 1 and s.constexprs["HEAD_DIM"] == 128]
-    return specs + [replace(s, constexprs={**s.constexprs, "Q_LATE": True}, name=f"{s.name}_qlate") for s in late]
+    return with_pdl_variants(specs)

@@ -14,14 +14,12 @@ chain (ops/chain.py) runs on either; in place of the qkv projection + qk norm / 
 offers ``qkv_norm_rope_insert`` (kernels/qkv_mma.py: one kernel where the weights allow), and in
 place of the indexer top-k + sparse attention pair ``index_sparse_attention`` (the indexer's score
 pass, then sparse attention making the top-k selection in-kernel: no top-k kernel, no block ids in
-memory), for the steps from the qkv projection to the attention ``project_index_sparse_attention`` (opt-in,
-in one-token steps: the score pass made by the qkv kernel's own programs), in place of the route +
-moe_experts pair ``routed_moe_experts`` (one-token steps on mma-layout tables make the router's top-k
-inside the expert kernels, kernels/moe.py; other steps launch the pair), and where no all-reduce
-separates the halves the o_proj + post norm + router + experts steps as one,
-``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last programs, the router and
-w13, where the step routes in-kernel); the chain takes each when offered. Inputs were checked by the
-fused op before the first launch.
+memory), and in place of the route + moe_experts pair ``routed_moe_experts`` (one-token steps on
+mma-layout tables make the router's top-k inside the expert kernels, kernels/moe.py; other steps
+launch the pair), and where no all-reduce separates the halves the o_proj + post norm + router +
+experts steps as one, ``project_norm_routed_moe_experts`` (the post norm deferred into o_proj's last
+programs, the router and w13, where the step routes in-kernel); the chain takes each when offered.
+Inputs were checked by the fused op before the first launch.
 """
 
 from __future__ import annotations
@@ -155,24 +153,6 @@ def kernel_stages() -> SimpleNamespace:
         return attention.index_sparse_attention_decode(q, scores, kv_cache, block_table, seq_lens, query_len, topk,
                                                        k_scale, v_scale, pdl=True)
 
-    def project_index_sparse_attention(h, qkv_weight, qkv_scale, positions, slot_mapping, index_slot_mapping, q_norm,
-                                       k_norm, index_q_norm, index_k_norm, kv_cache, index_cache, block_table,
-                                       seq_lens, query_len, topk, *, k_scale, v_scale, **heads):
-        """_qkv_norm_rope_insert then index_sparse_attention, where qkv_mma.scores_in_kernel says so with the
-        score pass in the qkv kernel (qkv_norm_rope_insert_scores: one launch fewer, the attention split
-        the qkv kernel's dependent); otherwise those two steps."""
-        step = (h, qkv_weight, qkv_scale, positions, slot_mapping, index_slot_mapping, q_norm, k_norm, index_q_norm,
-                index_k_norm, kv_cache, index_cache)
-        if not qkv_mma.scores_in_kernel(h.shape[0], query_len):
-            q, index_q = _qkv_norm_rope_insert(*step, k_scale=k_scale, v_scale=v_scale, **heads)
-            return index_sparse_attention(q, index_q, kv_cache, index_cache, block_table, seq_lens, query_len, topk,
-                                          k_scale, v_scale)
-        q, _, scores, in_kernel = qkv_mma.qkv_norm_rope_insert_scores(*step, block_table, seq_lens, query_len,
-                                                                     k_scale=k_scale, v_scale=v_scale, pdl=True,
-                                                                     **heads)
-        return attention.index_sparse_attention_decode(q, scores, kv_cache, block_table, seq_lens, query_len, topk,
-                                                       k_scale, v_scale, pdl=True, scores_with_q=in_kernel)
-
     def dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
         return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,
                                                 pdl=True)
@@ -181,7 +161,6 @@ def kernel_stages() -> SimpleNamespace:
         add_rmsnorm=_add_rmsnorm, input_add_rmsnorm=_input_add_rmsnorm, mx_linear=_mx_linear,
         qkv_norm_rope_insert=_qkv_norm_rope_insert,
         index_topk=index_topk_, index_sparse_attention=index_sparse_attention,
-        project_index_sparse_attention=project_index_sparse_attention,
         sparse_attention_decode=sparse_attention_decode, dense_attention_decode=dense_attention_decode,
         route=_route, moe_experts=_moe_experts, routed_moe_experts=_routed_moe_experts,
         project_norm_routed_moe_experts=_project_norm_routed_moe_experts, mlp=_mlp)

@@ -116,51 +116,6 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
 
 
 @triton.jit
-def _half_keys(cache_ptr, block_table_ptr, req, b, half, seq_len, stride_cb, stride_cs, stride_bt,
-               BLOCK_SIZE: tl.constexpr, INDEX_DIM: tl.constexpr):
-    """Half ``half`` of the index keys of the request's logical block b, as the cache holds them
-    ([BLOCK_SIZE / 2, Di], zeros past seq_len), through L2 only (keys stored earlier by the same kernel)."""
-    offs = half * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)
-    page = tl.load(block_table_ptr + req * stride_bt + b).to(tl.int64)
-    ptrs = cache_ptr + page * stride_cb + offs[:, None] * stride_cs + tl.arange(0, INDEX_DIM)[None, :]
-    return tl.load(ptrs, mask=(b * BLOCK_SIZE + offs < seq_len)[:, None], other=0.0, cache_modifier=".cg")
-
-
-@triton.jit
-def _half_dots(keys, q, b, half, seq_len, BLOCK_SIZE: tl.constexpr):
-    """q . key at each position of half ``half`` of block b (fp32 FMAs), -inf past the causal ones."""
-    pos = b * BLOCK_SIZE + half * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)
-    return tl.where(pos < seq_len, tl.sum(keys.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-
-
-@triton.jit
-def score_share(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, num_reqs, share, shares,
-                stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
-                INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Pass 1 for one-token requests made by the programs of another kernel (qkv_mma's, once the index
-    rows are stored): share ``share`` of ``shares`` scores blocks share, share + shares, ... of every
-    request. The block score as ``_index_score_kernel``'s (the max over the block's causal positions of
-    index_q . key, fp32) but summed by fp32 FMAs, head by head and half a block at a time, instead of a
-    tl.dot: no shared memory and few registers beside the GEMV (products of bf16 / fp8 values are exact
-    in fp32, so the two differ only in the order of the fp32 sum). q and the keys are read through L2
-    (stored by other programs of the same kernel)."""
-    d = tl.arange(0, INDEX_DIM)
-    for req in range(0, num_reqs):
-        seq_len = tl.load(seq_lens_ptr + req)  # the request's one token sees positions < seq_len
-        for b in range(share, tl.cdiv(tl.maximum(seq_len, 0), BLOCK_SIZE), shares):
-            k0 = _half_keys(cache_ptr, block_table_ptr, req, b, 0, seq_len, stride_cb, stride_cs, stride_bt,
-                            BLOCK_SIZE, INDEX_DIM)
-            k1 = _half_keys(cache_ptr, block_table_ptr, req, b, 1, seq_len, stride_cb, stride_cs, stride_bt,
-                            BLOCK_SIZE, INDEX_DIM)
-            for h in tl.static_range(INDEX_HEADS):
-                q = tl.load(q_ptr + req * stride_qn + h * stride_qh + d, cache_modifier=".cg").to(tl.float32)
-                # (one reduction across the warps a head: the halves' positions meet first, lane by lane)
-                dots = tl.maximum(_half_dots(k0, q, b, 0, seq_len, BLOCK_SIZE), _half_dots(k1, q, b, 1, seq_len,
-                                                                                           BLOCK_SIZE))
-                tl.store(scores_ptr + req * stride_sn + h * stride_sh + b, tl.max(dots, axis=0))
-
-
-@triton.jit
 def topk_keys(row, blk, nb):
     """Blocks blk of a score row (fp32 pointer, one score per block) as unique int64 keys:
     (order-preserving int32 of the score) << 32 | block, so that one int64 max selects both. The local
@@ -258,7 +213,7 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_index_inputs(index_q, index_cache, block_table, seq_lens, query_len) -> None:
+def _check_inputs(index_q, index_cache, block_table, seq_lens, query_len) -> None:
     _need(index_q.dim() == 3 and index_q.dtype == torch.bfloat16 and index_q.stride(2) == 1,
           f"index_q: expected a bf16 [n, heads, dim] tensor with a contiguous last dimension, got "
           f"{index_q.dtype} shape {tuple(index_q.shape)}")
@@ -306,7 +261,7 @@ def index_scores(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: 
     """Pass 1 alone (inputs as index_topk's) -> fp32 [n, Hi, W] block scores, W = block_table's
     width: entry b of a token's row is block b's score for b < the token's block count nb; entries
     from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does)."""
-    check_index_inputs(index_q, index_cache, block_table, seq_lens, query_len)
+    _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
     return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl and pdl_supported(index_q.device))
 
 
@@ -315,7 +270,7 @@ def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: to
     """index_q bf16 [n, Hi, Di], index_cache bf16/fp8 [blocks, bs, Di], block_table int32 [B, W],
     seq_lens int32 [B], n = B * query_len -> int32 [n, Hi, topk] logical block ids, the local block
     first, then the best others; -1 where a token has fewer than topk blocks (all -1 for padding)."""
-    check_index_inputs(index_q, index_cache, block_table, seq_lens, query_len)
+    _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
     _need(topk >= 1, f"topk: expected >= 1, got {topk}")
     n, heads, _ = index_q.shape
     out = torch.empty(n, heads, topk, dtype=torch.int32, device=index_q.device)

@@ -59,25 +59,13 @@ def _store_rows(total, tok, n_out, ok, m0, M, out_ptr, stride_om, NORM: tl.const
 
 
 @triton.jit
-def group_and_split(SPLIT: tl.constexpr, LEAD: tl.constexpr):
-    """(row group, K split) of this program. LEAD < 0: the grid is (groups, SPLIT). Else a 1-D grid of
-    groups * SPLIT programs in which every split of group LEAD comes first, then of LEAD + 1, ... (wrapping
-    round): programs launch in that order, so a later program may wait for the groups from LEAD on
-    (qkv_mma's score pass waits for the index segments) without waiting for a program not yet resident."""
-    if LEAD < 0:
-        return tl.program_id(0), tl.program_id(1)
-    pid = tl.program_id(0)
-    return (pid // SPLIT + LEAD) % (tl.num_programs(0) // SPLIT), pid % SPLIT
-
-
-@triton.jit
 def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_blocks,
                        stride_xm, stride_wb, stride_sb, stride_om,
                        NW: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, SPLIT_POW2: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
                        PRELOAD: tl.constexpr = False, KS: tl.constexpr = 1, NORM: tl.constexpr = False,
                        res_ptr=None, nw_ptr=None, xs_ptr=None, sumsq_ptr=None, stride_rm=0,
-                       EVICT_FIRST: tl.constexpr = False, LEAD: tl.constexpr = -1):
+                       EVICT_FIRST: tl.constexpr = False):
     """Program (group, split) of the GEMV. x_ptr: int32 view of x [M, K] (stride_xm in words); w / s:
     int32 words [N/16, K/64, 128 | 256] and scale bytes [N/16, K/64, 32] (row-block strides in their
     units); out [M, N]; part [SPLIT, M, N] fp32. Returns whether this program stored the group's
@@ -89,18 +77,16 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
     NORM: the stored columns are a residual add with the following RMS norm deferred (``_store_rows``:
     out_ptr gets the residual sum, xs_ptr its scaled rows, sumsq_ptr the group's sums of squares); its PDL
     dependents launch once every program has streamed its weights, not after the wait.
-    EVICT_FIRST: the weights stream with L2's evict-first policy (block_stream's; mma_launch.weights_evict_first).
-    LEAD: the grid's order (``group_and_split``; not with NORM, whose sums are stored by program_id(0))."""
+    EVICT_FIRST: the weights stream with L2's evict-first policy (block_stream's; mma_launch.weights_evict_first)."""
     NWR: tl.constexpr = NW // KS  # row blocks of the group
-    group, ksplit = group_and_split(SPLIT, LEAD)
     stride_xm = tl.multiple_of(stride_xm, 4)
     stride_wb, stride_sb = tl.multiple_of(stride_wb, 16), tl.multiple_of(stride_sb, 16)
     n_blocks = N // 16
     row_block, k_part = warp_parts(NW, DEPTH, KS)
-    rb = tl.minimum(group * NWR + row_block, n_blocks - 1).to(tl.int64)
+    rb = tl.minimum(tl.program_id(0) * NWR + row_block, n_blocks - 1).to(tl.int64)
     w_rows, s_rows = w_ptr + rb * stride_wb, s_ptr + rb * stride_sb
     kb_split = k_blocks // (SPLIT * KS)
-    kb_begin = (ksplit * KS + k_part) * kb_split
+    kb_begin = (tl.program_id(1) * KS + k_part) * kb_split
     n_steps = kb_split // DEPTH
     step0 = None
     if PRELOAD:
@@ -115,7 +101,7 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
             gdc_launch_dependents()
     d, g, c, e = fragment_index(NW, DEPTH)
     d1, g1, c1, e1 = fragment_index(NWR, 1)
-    n_out = (group * NWR + warp_rows(NWR, 1)) * 16 + g1 + 8 * (e1 // 2)
+    n_out = (tl.program_id(0) * NWR + warp_rows(NWR, 1)) * 16 + g1 + 8 * (e1 // 2)
     mn = (tl.zeros([], dtype=tl.int64) + M) * N
     for m0 in range(0, M, 2 * TOKENS):
         x_rows = x_ptr + tl.minimum(m0 + g, M - 1).to(tl.int64) * stride_xm
@@ -137,13 +123,13 @@ def mma_linear_program(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, k_
                 _store_rows(part, tok, n_out, ok, m0 + half * TOKENS, M, out_ptr, stride_om, NORM, res_ptr, nw_ptr,
                             xs_ptr, sumsq_ptr, stride_rm)
             else:
-                tl.store(part_ptr + ksplit * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
+                tl.store(part_ptr + tl.program_id(1) * mn + tok.to(tl.int64) * N + n_out, part, mask=ok)
     if PDL:
         if NORM:  # (the consumer's many programs, resident early, would take places from this grid's second wave)
             gdc_launch_dependents()
-    done = ksplit == 0
+    done = tl.program_id(1) == 0
     if SPLIT > 1:
-        done = last_arrival(cnt_ptr + group, SPLIT)
+        done = last_arrival(cnt_ptr + tl.program_id(0), SPLIT)
         if done:
             for m0 in range(0, M, TOKENS):
                 tok = m0 + 2 * c1 + e1 % 2

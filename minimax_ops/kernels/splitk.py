@@ -35,33 +35,6 @@ def last_arrival(cnt_ptr, expected):
 
 
 @triton.jit
-def count_in(cnt_ptr):
-    """Counts this program in at cnt_ptr once its threads' earlier stores are done (barrier, release):
-    a program that ``wait_for``s the count sees them."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_for(cnt_ptr, expected, waiters):
-    """Spins until ``expected`` programs have counted in at cnt_ptr (acquire: their stores are then
-    visible, to be read with cache_modifier=".cg"). The last of the ``waiters`` programs to pass
-    (counted at cnt_ptr + 1) resets both counts to 0 for the next launch. Only for programs that the
-    counted ones cannot be waiting behind: launched after them (linear_mma.group_and_split), or every
-    program of the grid resident at once; in the interpreter (programs run one after another) the
-    counted programs must come first."""
-    # Plain L2 reads while spinning (many programs' read-modify-writes of one word would queue at its L2 slice,
-    # the counting programs' among them), then one acquire.
-    seen = tl.load(cnt_ptr, volatile=True)
-    while seen < expected:
-        seen = tl.load(cnt_ptr, volatile=True)
-    tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    if tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed", scope="gpu") == waiters - 1:
-        tl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def sum_splits(part_ptrs, mask, split_stride, n_split, SPLIT_POW2: tl.constexpr):
     """sum over s < n_split of (part_ptrs + s * split_stride)[mask], added in the order s = 0, 1, ...
     (deterministic); unrolled up to SPLIT_POW2 so the loads can all be in flight at once."""

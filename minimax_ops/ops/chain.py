@@ -57,31 +57,23 @@ def _heads(c):
     return c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta, c.eps
 
 
-def _insert_kwargs(c, sparse: bool) -> dict:
-    """The keyword arguments of a kernel namespace's one-step projection + insert (kernels/qkv_mma.py's)."""
-    index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
-    return dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-                rope_theta=c.rope_theta, eps=c.eps, **index, k_scale=c.k_scale, v_scale=c.v_scale)
-
-
-def _input_norm(x, residual, w, c, mm):
-    input_norm = getattr(mm, "input_add_rmsnorm", None) if mm is not MM else None
-    return (input_norm or mm.add_rmsnorm)(x, residual, w["input_norm"], c.eps)
-
-
 def _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache, index_cache, w, c, mm):
     """Input norm, the qkv projection and the qk norm / RoPE / cache insert -> (q, index_q or None,
     residual); index_slot_mapping None: a dense layer. A kernel namespace (``ops``) may offer the
     projection and the insert as one step, ``qkv_norm_rope_insert`` (the signature of
     kernels/qkv_mma.py's), and the layer's input norm apart from its other norms, ``input_add_rmsnorm``
     (add_rmsnorm's signature; the kernel namespace launches it differently); the vocabulary has two ops."""
-    h, residual = _input_norm(x, residual, w, c, mm)
+    input_norm = getattr(mm, "input_add_rmsnorm", None) if mm is not MM else None
+    h, residual = (input_norm or mm.add_rmsnorm)(x, residual, w["input_norm"], c.eps)
     sparse = index_slot_mapping is not None
     one_step = getattr(mm, "qkv_norm_rope_insert", None) if mm is not MM else None
     if one_step is not None:
+        index = dict(index_heads=c.index_heads, index_dim=c.index_dim) if sparse else {}
         q, index_q = one_step(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"],
                               w["k_norm"], w.get("index_q_norm"), w.get("index_k_norm"), kv_cache, index_cache,
-                              **_insert_kwargs(c, sparse))
+                              num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, eps=c.eps, **index,
+                              k_scale=c.k_scale, v_scale=c.v_scale)
         return q, index_q, residual
     qkv = mm.mx_linear(h, w["qkv"], w["qkv_scale"])
     if sparse:
@@ -100,17 +92,8 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
     any-step path, prefills and mixed batches) replaces indexer + decode attention by attention_any_step.
     ``ops``: the vocabulary (default) or kernels/decode_layer.kernel_stages(), same signatures; a kernel
     namespace may offer the indexer top-k and the sparse attention as one step, ``index_sparse_attention``
-    (the top-k made inside the attention kernel), and the steps from the qkv projection to the attention as
-    one, ``project_index_sparse_attention`` (decode steps; the kernels decide how many launches); the
-    vocabulary has two ops."""
+    (the top-k made inside the attention kernel); the vocabulary has two ops."""
     mm = ops or MM
-    whole = getattr(mm, "project_index_sparse_attention", None) if mm is not MM and query_lens is None else None
-    if whole is not None:
-        h, residual = _input_norm(x, residual, w, c, mm)
-        attn = whole(h, w["qkv"], w["qkv_scale"], positions, slot_mapping, index_slot_mapping, w["q_norm"], w["k_norm"],
-                     w["index_q_norm"], w["index_k_norm"], kv_cache, index_cache, block_table, seq_lens, c.query_len,
-                     c.topk_blocks, **_insert_kwargs(c, True))
-        return _out_projection(attn, residual, w, c, mm)
     q, index_q, residual = _project_insert(x, residual, positions, slot_mapping, index_slot_mapping, kv_cache,
                                            index_cache, w, c, mm)
     one_step = getattr(mm, "index_sparse_attention", None) if mm is not MM else None
@@ -124,12 +107,6 @@ def sparse_attention(x, residual, positions, slot_mapping, index_slot_mapping, b
         block_ids = mm.index_topk(index_q, index_cache, block_table, seq_lens, c.query_len, c.topk_blocks)
         attn = mm.sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, c.query_len, c.k_scale,
                                           c.v_scale)
-    return _out_projection(attn, residual, w, c, mm)
-
-
-def _out_projection(attn, residual, w, c, mm):
-    """Step 7 -> (o, residual), or (OutProjection, residual) for a kernel namespace that takes o_proj into the
-    FFN step (``project_norm_routed_moe_experts``, no all-reduce between the halves)."""
     if mm is not MM and not c.partial and getattr(mm, "project_norm_routed_moe_experts", None) is not None:
         return OutProjection(attn, w["o_proj"], w["o_proj_scale"]), residual
     return mm.mx_linear(attn, w["o_proj"], w["o_proj_scale"], *_fp32(c)), residual
