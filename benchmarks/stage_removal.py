@@ -1,15 +1,23 @@
 """Upper bounds of what folding a stage of the fused layer away could save: the fused layer timed with a
 stage taken out (H200, real-size sparse MoE layers, a graph of --layers consecutive layers as the
-benchmark builds them). Numerics are wrong by design: a removed norm passes its input through, a removed
-router or indexer + attention returns its first call's output (per layer, so later layers still run); a
-removed router top-k or attention merge still launches the router's logits or the attention's splits (the
-top-k or merge kernel not), returning the first full call's output. The router variants time the router's
-own launches: where one is chosen, the process runs with MINIMAX_OPS_ROUTE_IN_EXPERTS=0 (every variant, the
-full layer too; one-token steps otherwise make the top-k inside the expert kernels, where no router
-launch is left to remove but the logits). Every variant runs the post-attention norm's kernel
-(MINIMAX_OPS_DEFER_POST_NORM=0: the bounds are those of the layer with it).
+benchmark builds them). Numerics are wrong by design, but the work stays the layer's: the attention's
+selection and the experts' routing always come from real scores and logits (made from garbage they would
+change what streams), while values downstream of a removed stage may be anything. A removed norm passes
+its input through; a removed score pass, router (logits) or indexer + attention returns its first call's
+output (per layer, so later layers still run); a removed attention merge, router top-k or expert combine
+still launches the rest of its step (the splits, the router's logits, the experts), that one kernel not,
+returning the first full call's output.
+
+The default variants take stages out of the layer as it runs by default (one-token steps: the post norm
+deferred into o_proj, the router and w13; the router's top-k made in the expert kernels), each alone and
+the five latency-bound kernels (input norm, score pass, attention merge, router logits, expert combine)
+together. The legacy variants (``--only`` names them) time stages those defaults leave out: the
+post-attention norm's kernel (the process then runs with MINIMAX_OPS_DEFER_POST_NORM=0), the router's own
+top-k launch (MINIMAX_OPS_ROUTE_IN_EXPERTS=0); the switch then holds for every variant of the process, the
+full layer too.
 
     PYTHONPATH=$PWD python3 benchmarks/stage_removal.py [--experts mxfp4] [--tokens 1] [--layers 4] [--timeline]
+                                                        [--only "input norm,attention merge"]
 
 Prints, per case, each variant's median us per layer over 3 alternating rounds, what it saves against the
 full layer and its ratio to the unfused graph; with --timeline the full layer's kernels in one replay of a
@@ -29,19 +37,29 @@ import sys
 import torch
 
 from minimax_ops.bench import _time, copy_bandwidth, layer_chain
-from minimax_ops.kernels import attention, decode_layer, router
+from minimax_ops.kernels import attention, decode_layer, index_topk, moe, router
 from minimax_ops.kernels.tiles import num_sms, router_config
 from minimax_ops.timeline import kernel_timelines
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # (ab_fused beside this script)
 from ab_fused import print_medians, run_cases  # noqa: E402
 
-_NORM, _ROUTE, _STAGES = decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages
-_STATE = {"calls": 0, "remove": set(), "route": {}, "attention": {}, "topk": {}, "merge": {}}
-VARIANTS = {"full layer": set(), "input norm": {"input"}, "post-attention norm": {"post"},
-            "both norms": {"input", "post"}, "router": {"route"}, "both norms and the router": {"input", "post", "route"},
-            "indexer + attention": {"attention"}, "router top-k": {"topk"}, "attention merge": {"merge"},
-            "router top-k and merge": {"topk", "merge"}}
+_INPUT_NORM, _POST_NORM, _ROUTE = decode_layer._input_add_rmsnorm, decode_layer._add_rmsnorm, decode_layer._route
+_STAGES, _LOGITS, _ROUTED = decode_layer.kernel_stages, router.router_logits, moe.routed_moe_experts
+_SCORES = index_topk.index_scores
+_STATE = {"remove": set(), "route": {}, "attention": {}, "topk": {}, "merge": {}, "logits": {}, "combine": {},
+          "score": {}}
+LATENCY_BOUND = {"input", "score", "merge", "logits", "combine"}
+# (No score pass alone: without it the attention split, which reads q before its PDL wait on the score pass,
+# reads it before the qkv kernel is done; the routing then follows garbage. "all five" keeps the first call's
+# router logits, so there the work stays the layer's.)
+VARIANTS = {"full layer": set(), "input norm": {"input"}, "attention merge": {"merge"}, "router logits": {"logits"},
+            "expert combine": {"combine"}, "all five": LATENCY_BOUND, "indexer + attention": {"attention"}}
+LEGACY = {"post-attention norm": {"post"}, "both norms": {"input", "post"}, "router": {"route"},
+          "both norms and the router": {"input", "post", "route"}, "router top-k": {"topk"},
+          "router top-k and merge": {"topk", "merge"}}
+_SKIPPED = {"topk": (router, "_router_topk_kernel"), "merge": (attention, "_attention_merge_kernel"),
+            "combine": (moe, "_moe_combine_kernel")}
 
 
 class _NoLaunch:
@@ -66,23 +84,24 @@ def _first_full(kind, key, fn, *args, **kwargs):
     if key not in _STATE[kind]:
         _STATE[kind][key] = fn(*args, **kwargs)
         return _STATE[kind][key]
-    module, name = (router, "_router_topk_kernel") if kind == "topk" else (attention, "_attention_merge_kernel")
-    with _without(module, name):
+    with _without(*_SKIPPED[kind]):
         fn(*args, **kwargs)
     return _STATE[kind][key]
 
 
-def _norm(x, residual, weight, eps):
-    which = "input" if _STATE["calls"] % 2 == 0 else "post"  # a layer calls the input norm, then the post norm
-    _STATE["calls"] += 1
-    return (x, residual) if which in _STATE["remove"] else _NORM(x, residual, weight, eps)
+def _input_norm(x, residual, weight, eps):
+    return (x, residual) if "input" in _STATE["remove"] else _INPUT_NORM(x, residual, weight, eps)
 
 
-def _first_call(kind, key, fn, *args):
+def _post_norm(x, residual, weight, eps):
+    return (x, residual) if "post" in _STATE["remove"] else _POST_NORM(x, residual, weight, eps)
+
+
+def _first_call(kind, key, fn, *args, **kwargs):
     if kind not in _STATE["remove"]:
-        return fn(*args)
+        return fn(*args, **kwargs)
     if key not in _STATE[kind]:
-        _STATE[kind][key] = fn(*args)
+        _STATE[kind][key] = fn(*args, **kwargs)
     return _STATE[kind][key]
 
 
@@ -94,6 +113,20 @@ def _route(h, gate, bias, top_k, scaling):
     return _first_call("route", gate.data_ptr(), _ROUTE, h, gate, bias, top_k, scaling)
 
 
+def _router_logits(h, gate, **kwargs):
+    return _first_call("logits", gate.data_ptr(), _LOGITS, h, gate, **kwargs)
+
+
+def _index_scores(index_q, index_cache, *args, **kwargs):
+    return _first_call("score", index_cache.data_ptr(), _SCORES, index_q, index_cache, *args, **kwargs)
+
+
+def _routed_moe_experts(h, gate, *args, **kwargs):
+    if "combine" in _STATE["remove"]:
+        return _first_full("combine", gate.data_ptr(), _ROUTED, h, gate, *args, **kwargs)
+    return _ROUTED(h, gate, *args, **kwargs)
+
+
 def _stages():
     ns = _STAGES()
     attention_ = ns.index_sparse_attention
@@ -103,8 +136,16 @@ def _stages():
             return _first_full("merge", kv_cache.data_ptr(), attention_, q, index_q, kv_cache, *args)
         return _first_call("attention", kv_cache.data_ptr(), attention_, q, index_q, kv_cache, *args)
     ns.index_sparse_attention = index_sparse_attention
-    del ns.input_add_rmsnorm  # (both norms through add_rmsnorm, told apart by their call order)
+    ns.input_add_rmsnorm = _input_norm
     return ns
+
+
+def _install() -> None:
+    """Every hook in place (each passes through unless its stage is in _STATE["remove"])."""
+    decode_layer._input_add_rmsnorm, decode_layer._add_rmsnorm = _input_norm, _post_norm
+    decode_layer._route, decode_layer.kernel_stages = _route, _stages
+    router.router_logits, moe.routed_moe_experts = _router_logits, _routed_moe_experts
+    index_topk.index_scores = _index_scores
 
 
 def main() -> None:
@@ -114,15 +155,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeline", action="store_true")
-    ap.add_argument("--only", default="", help="the variants to time, comma-separated (default: all)")
+    ap.add_argument("--only", default="", help="the variants to time, comma-separated (default: VARIANTS)")
     args = ap.parse_args()
-    variants = {k: v for k, v in VARIANTS.items() if not args.only or k == "full layer" or k in args.only.split(",")}
-    decode_layer._add_rmsnorm, decode_layer._route, decode_layer.kernel_stages = _norm, _route, _stages
+    known = {**VARIANTS, **LEGACY}
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        ap.error(f"--only: unknown variants {unknown}; expected some of {sorted(known)}")
+    variants = {k: v for k, v in known.items() if k == "full layer" or (k in chosen if chosen else k in VARIANTS)}
+    _install()
     if any(v & {"route", "topk"} for v in variants.values()):
         os.environ["MINIMAX_OPS_ROUTE_IN_EXPERTS"] = "0"
         print("router variants chosen: the router's own launches (MINIMAX_OPS_ROUTE_IN_EXPERTS=0)", flush=True)
-    # Each layer's two norms are told apart by their call order: the post norm's kernel must run.
-    os.environ["MINIMAX_OPS_DEFER_POST_NORM"] = "0"
+    if any("post" in v for v in variants.values()):
+        os.environ["MINIMAX_OPS_DEFER_POST_NORM"] = "0"
+        print("post-norm variants chosen: the norm's own kernel (MINIMAX_OPS_DEFER_POST_NORM=0)", flush=True)
     print(f"{torch.cuda.get_device_name()}, copy {copy_bandwidth(torch.device('cuda')) / 1e12:.2f} TB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
 

@@ -186,30 +186,55 @@ def test_ab_short_knob_patches_topk_width_and_restores(tools):
 
 
 def test_stage_removal_hooks(tools, monkeypatch):
-    """A layer's first norm call is the input norm, its second the post norm: each is passed through only
-    when removed; a removed router returns its first call's result for that gate."""
+    """Each hook passes through unless its stage is removed: a removed norm returns its input, a removed
+    router (or the router's logits) its first call's result for that gate."""
     sr = tools("stage_removal")
-    calls = []
-    monkeypatch.setattr(sr, "_NORM", lambda x, r, w, eps: calls.append(eps) or ("normed", r))
-    monkeypatch.setitem(sr._STATE, "calls", 0)
+    normed = []
+    monkeypatch.setattr(sr, "_INPUT_NORM", lambda x, r, w, eps: normed.append(("input", eps)) or ("normed", r))
+    monkeypatch.setattr(sr, "_POST_NORM", lambda x, r, w, eps: normed.append(("post", eps)) or ("normed", r))
     monkeypatch.setitem(sr._STATE, "remove", {"post"})
-    assert sr._norm("x", "r", None, 1) == ("normed", "r")  # input norm runs
-    assert sr._norm("o", "r", None, 2) == ("o", "r")  # post norm removed
-    assert sr._norm("x", "r", None, 3) == ("normed", "r")  # the next layer's input norm
-    assert calls == [1, 3]
+    assert sr._input_norm("x", "r", None, 1) == ("normed", "r")
+    assert sr._post_norm("o", "r", None, 2) == ("o", "r")
+    monkeypatch.setitem(sr._STATE, "remove", {"input"})
+    assert sr._input_norm("x", "r", None, 3) == ("x", "r")
+    assert sr._post_norm("o", "r", None, 4) == ("normed", "r")
+    assert normed == [("input", 1), ("post", 4)]
     routed = []
     monkeypatch.setattr(sr, "_ROUTE", lambda h, gate, *a: routed.append(h) or (h, gate))
-    monkeypatch.setitem(sr._STATE, "remove", {"route"})
+    monkeypatch.setattr(sr, "_LOGITS", lambda h, gate, **kw: routed.append(h) or h)
+    monkeypatch.setitem(sr._STATE, "remove", {"route", "logits"})
     monkeypatch.setitem(sr._STATE, "route", {})
+    monkeypatch.setitem(sr._STATE, "logits", {})
     gate = torch.zeros(2)
     assert sr._route("h1", gate, None, 4, 2.0) == ("h1", gate)
     assert sr._route("h2", gate, None, 4, 2.0) == ("h1", gate)
-    assert routed == ["h1"]
+    assert sr._router_logits("l1", gate, pdl=True) == "l1"
+    assert sr._router_logits("l2", gate, pdl=True) == "l1"
+    monkeypatch.setitem(sr._STATE, "remove", set())
+    assert sr._router_logits("l3", gate, pdl=True) == "l3"
+    assert routed == ["h1", "l1", "l3"]
+
+
+def test_stage_removal_score_pass_keeps_its_first_scores(tools, monkeypatch):
+    """A removed score pass returns the first call's scores for that index cache (the attention's selection
+    then reads real scores, not a buffer nothing wrote); the layer's stages take the input norm's hook."""
+    sr = tools("stage_removal")
+    from types import SimpleNamespace
+    scored = []
+    monkeypatch.setattr(sr, "_SCORES", lambda index_q, cache, *a, **kw: scored.append(index_q) or index_q)
+    monkeypatch.setitem(sr._STATE, "score", {})
+    cache = torch.zeros(2)
+    monkeypatch.setitem(sr._STATE, "remove", {"score"})
+    assert sr._index_scores("s1", cache, pdl=True) == "s1" and sr._index_scores("s2", cache, pdl=True) == "s1"
+    monkeypatch.setitem(sr._STATE, "remove", set())
+    assert sr._index_scores("s3", cache, pdl=True) == "s3" and scored == ["s1", "s3"]
+    monkeypatch.setattr(sr, "_STAGES", lambda: SimpleNamespace(index_sparse_attention=None))
+    assert sr._stages().input_add_rmsnorm is sr._input_norm
 
 
 def test_stage_removal_skips_only_the_named_kernel(tools, monkeypatch):
-    """A removed router top-k or attention merge: the first call runs whole and its output is kept; later
-    calls still run, with that one kernel's launches skipped (and restored after)."""
+    """A removed router top-k, attention merge or expert combine: the first call runs whole and its output is
+    kept; later calls still run, with that one kernel's launches skipped (and restored after)."""
     sr = tools("stage_removal")
     from minimax_ops.kernels import attention
     launched = []
@@ -228,6 +253,23 @@ def test_stage_removal_skips_only_the_named_kernel(tools, monkeypatch):
     assert sr._first_full("merge", 7, run, 1) == 1 and launched == [(1,)]
     assert sr._first_full("merge", 7, run, 2) == 1 and launched == [(1,)]
     assert isinstance(attention._attention_merge_kernel, Kernel)
+    # The expert combine, through the experts' hook (keyed by the gate): the experts run, the combine not.
+    from minimax_ops.kernels import moe
+    monkeypatch.setattr(moe, "_moe_combine_kernel", Kernel())
+    monkeypatch.setitem(sr._STATE, "combine", {})
+    monkeypatch.setitem(sr._STATE, "remove", {"combine"})
+    experts = []
+
+    def routed(h, gate, *args, **kwargs):
+        experts.append(h)
+        moe._moe_combine_kernel[(h,)]()
+        return h
+
+    monkeypatch.setattr(sr, "_ROUTED", routed)
+    gate = torch.zeros(2)
+    assert sr._routed_moe_experts(3, gate, pdl=True) == 3 and sr._routed_moe_experts(4, gate, pdl=True) == 3
+    assert experts == [3, 4] and launched == [(1,), (3,)]
+    assert isinstance(moe._moe_combine_kernel, Kernel)
 
 
 @pytest.mark.parametrize("step_major", [False, True])
