@@ -13,7 +13,7 @@ import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-         "ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies")
+         "ring_stream", "gluon_ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies")
 HELPERS = ("kernel_attributes",)  # imported by the tools, no main of their own
 
 
@@ -270,6 +270,31 @@ def test_stage_removal_skips_only_the_named_kernel(tools, monkeypatch):
     assert sr._routed_moe_experts(3, gate, pdl=True) == 3 and sr._routed_moe_experts(4, gate, pdl=True) == 3
     assert experts == [3, 4] and launched == [(1,), (3,)]
     assert isinstance(moe._moe_combine_kernel, Kernel)
+
+
+def test_gluon_ring_stream_lays_a_programs_step_in_one_box(tools):
+    """The Gluon ring's step-major layout: block (program, warp, stream, step, d) of ring_stream's warp-major
+    buffers lands at row ((program, step), stream, d, warp), so one program's step is the one contiguous box of
+    rows its TMA descriptors read (words and scale bytes alike)."""
+    g = tools("gluon_ring_stream")
+    programs, n_steps = 2, 3
+    blocks = programs * g.WARPS * 2 * n_steps * g.BLOCKS
+    w = torch.randint(-2**31, 2**31 - 1, (blocks * 128,), dtype=torch.int32)
+    s = torch.randint(0, 256, (blocks * 32,), dtype=torch.uint8)
+    words, scales = g.step_major(w, s, programs, n_steps)
+    box = 2 * g.BLOCKS * g.WARPS
+    assert words.shape == (blocks, 128) and scales.shape == (blocks, 32)
+    for p in range(programs):
+        for k in range(n_steps):
+            for st in range(2):
+                for d in range(g.BLOCKS):
+                    for warp in range(g.WARPS):
+                        src = (((p * g.WARPS + warp) * 2 + st) * n_steps + k) * g.BLOCKS + d
+                        row = (p * n_steps + k) * box + (st * g.BLOCKS + d) * g.WARPS + warp
+                        assert torch.equal(words[row], w[src * 128:(src + 1) * 128])
+                        assert torch.equal(scales[row], s[src * 32:(src + 1) * 32])
+    descs = g.descriptors(words, scales, torch.zeros(n_steps, 2 * 32, dtype=torch.int32))
+    assert [d.block_shape for d in descs] == [[box, 128], [box, 32], [1, 64]]
 
 
 @pytest.mark.parametrize("step_major", [False, True])

@@ -98,12 +98,12 @@ def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
 
 
 def test_scale_words_put_each_byte_in_both_bf16_exponents():
-    """_SCALE_WORDS (mma_decode.scale_words' PTX), evaluated on random packed scale bytes: register e is the
+    """SCALE_WORDS_PTX (mma_decode.scale_words' PTX), evaluated on random packed scale bytes: register e is the
     bf16x2 word whose two halves are 2^(byte e - 127) (the byte as the exponent field, sign and mantissa 0)."""
-    from minimax_ops.kernels.mma_decode import _SCALE_WORDS
+    from minimax_ops.kernels.mma_decode import SCALE_WORDS_PTX
     gen = torch.Generator().manual_seed(11)
     for packed in torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist():
-        regs = _run_ptx(_SCALE_WORDS.value, {"$4": packed})
+        regs = _run_ptx(SCALE_WORDS_PTX.value, {"$4": packed})
         for e in range(4):
             byte = (packed >> 8 * e) & 0xFF
             assert regs[f"${e}"] == (byte << 7) | (byte << 23), (hex(packed), e)

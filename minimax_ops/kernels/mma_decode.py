@@ -74,7 +74,7 @@ def _decode_mma(w: str, lo: str, hi: str, b0: str, b1: str, c: str, part: str = 
 # exponent field is byte e (the biased E above), in both halves. Done where the bytes are loaded
 # (``scale_words``), so that a load step carried over a loop turn holds 32-bit values: a uint8 tensor
 # carried in registers becomes a register per byte, repacked before every use.
-_SCALE_WORDS = tl.constexpr("{\n.reg .b32 z;\nmov.b32 z, 0;\n" + "".join(
+SCALE_WORDS_PTX = tl.constexpr("{\n.reg .b32 z;\nmov.b32 z, 0;\n" + "".join(
     f"prmt.b32 ${e}, $4, z, 0x4{e}4{e};\nshl.b32 ${e}, ${e}, 7;\n" for e in range(4)) + "}")
 _ACC_IN = "$20, $21, $22, $23"
 _ACC = "$0, $1, $2, $3"
@@ -119,9 +119,9 @@ MMA8_BLOCK_PTX = tl.constexpr(
 @triton.jit
 def scale_words(s, PTX: tl.constexpr):
     """Loaded scale bytes (uint8 [R, 4]) as the block product takes them: with PTX the lane's 4 bf16x2
-    scale words (int32 [R, 4], see _SCALE_WORDS), otherwise the bytes as they are (``_emulate``)."""
+    scale words (int32 [R, 4], see SCALE_WORDS_PTX), otherwise the bytes as they are (``_emulate``)."""
     if PTX:
-        s = tl.inline_asm_elementwise(_SCALE_WORDS, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
+        s = tl.inline_asm_elementwise(SCALE_WORDS_PTX, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
     return s
 
 
