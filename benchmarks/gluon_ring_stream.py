@@ -80,18 +80,9 @@ def _decoder(words, scales, xs, full, empty, out_ptr, n_steps):
         wv = words.index(slot)._reinterpret(gl.int32, [2 * DEPTH, NW, 8, 4, 4], flat)
         sv = scales.index(slot)._reinterpret(gl.uint8, [2 * DEPTH, NW, 8, 1, 4], flat)
         xv = xs.index(slot)._reinterpret(gl.int32, [2 * DEPTH, 1, 1, 4, 4], flat)  # j = d * 2 + K group
-        g0 = wv.index(0).load(L)
-        g1 = wv.index(1).load(L)
-        u0 = wv.index(2).load(L)
-        u1 = wv.index(3).load(L)
-        sg0 = sv.index(0).load(L)
-        sg1 = sv.index(1).load(L)
-        su0 = sv.index(2).load(L)
-        su1 = sv.index(3).load(L)
-        x00 = xv.index(0).load(L)
-        x01 = xv.index(1).load(L)
-        x10 = xv.index(2).load(L)
-        x11 = xv.index(3).load(L)
+        g0, g1, u0, u1 = _four(wv, L)
+        sg0, sg1, su0, su1 = _four(sv, L)
+        x00, x01, x10, x11 = _four(xv, L)
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
         gate = _block(gate, g0, x00, x01, sg0)
@@ -102,6 +93,12 @@ def _decoder(words, scales, xs, full, empty, out_ptr, n_steps):
     ptrs = out_ptr + ((gl.program_id(0) * NW + w) * 32 + g * 4 + c) * 8 + e
     gl.store(ptrs, gate)
     gl.store(ptrs + 4, up)
+
+
+@gluon.jit
+def _four(view, L: gl.constexpr):
+    """The 4 sub-views of a slot's view (its leading dimension), loaded into registers of layout L."""
+    return view.index(0).load(L), view.index(1).load(L), view.index(2).load(L), view.index(3).load(L)
 
 
 @gluon.jit
