@@ -28,7 +28,8 @@ from minimax_ops.kernels.mma_decode import MMA_BLOCK_PTX, SCALE_WORDS_PTX
 WARPS, BLOCKS = 4, 2  # decoding warps a program (a gate and an up row block each), blocks of each stream a step
 NW, DEPTH = gl.constexpr(WARPS), gl.constexpr(BLOCKS)
 ROWS = gl.constexpr(2 * BLOCKS * WARPS)  # a step's TMA box rows: (stream, d, warp), a block each
-STEP_BYTES = 2 * WARPS * BLOCKS * (128 * 4 + 32)
+BLOCK_BYTES = 128 * 4 + 32  # an mxfp4_mma block: 128 words, 32 scale bytes
+STEP_BYTES = ROWS.value * BLOCK_BYTES
 
 
 @gluon.jit
@@ -131,8 +132,7 @@ def descriptors(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> tuple:
     a box: a program's step) and x [steps, 64] int32."""
     def desc(t, box, bits):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), box, gl.NVMMASharedLayout(0, bits, rank=2))
-    rows = 2 * BLOCKS * WARPS
-    return (desc(w, [rows, 128], 32), desc(s, [rows, 32], 8), desc(x, [1, BLOCKS * 32], 32))
+    return (desc(w, [ROWS.value, 128], 32), desc(s, [ROWS.value, 32], 8), desc(x, [1, BLOCKS * 32], 32))
 
 
 def step_major(w: torch.Tensor, s: torch.Tensor, programs: int, n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +162,7 @@ def main() -> None:
     w = torch.randint(-2**31, 2**31 - 1, (n_blocks * 128,), dtype=torch.int32, device="cuda", generator=gen)
     s = torch.randint(120, 131, (n_blocks * 32,), dtype=torch.uint8, device="cuda", generator=gen)
     x = torch.randn(n_steps * BLOCKS * 64, device="cuda", generator=gen).to(torch.bfloat16).view(torch.int32)
-    mb = n_blocks * (128 * 4 + 32) / 1e6
+    mb = n_blocks * BLOCK_BYTES / 1e6
     ref = torch.empty(warps * 32 * 8, dtype=torch.float32, device="cuda")
 
     def regs():

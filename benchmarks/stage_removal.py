@@ -141,8 +141,9 @@ def _stages():
 
 
 def _install() -> None:
-    """Every hook in place (each passes through unless its stage is in _STATE["remove"])."""
-    decode_layer._input_add_rmsnorm, decode_layer._add_rmsnorm = _input_norm, _post_norm
+    """Every hook in place (each passes through unless its stage is in _STATE["remove"]; the input norm's is the
+    stages' own, _stages)."""
+    decode_layer._add_rmsnorm = _post_norm
     decode_layer._route, decode_layer.kernel_stages = _route, _stages
     router.router_logits, moe.routed_moe_experts = _router_logits, _routed_moe_experts
     index_topk.index_scores = _index_scores
