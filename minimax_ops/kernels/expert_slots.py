@@ -211,14 +211,17 @@ PAIR_CHUNK = tl.constexpr(64)  # (token, top-k column) pairs placed per step by 
 
 
 @triton.jit
-def _pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED: tl.constexpr, E_POW2: tl.constexpr):
-    """Pairs p0 .. p0 + PAIR_CHUNK - 1: (pair index, id, [E_POW2, PAIR_CHUNK] int32 1 where pair p
-    chose expert e)."""
+def _pair_ids(ids_ptr, p0, n_pairs, NUM_ROUTED: tl.constexpr):
+    """Pairs p0 .. p0 + PAIR_CHUNK - 1: (pair index, its routed id or -1)."""
     p = p0 + tl.arange(0, PAIR_CHUNK)
     e = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1)
-    e = tl.where((e >= 0) & (e < NUM_ROUTED), e, -1)
-    hit = (e[None, :] == tl.arange(0, E_POW2)[:, None]).to(tl.int32)
-    return p, e, hit
+    return p, tl.where((e >= 0) & (e < NUM_ROUTED), e, -1)
+
+
+@triton.jit
+def _expert_counts(e, E_POW2: tl.constexpr):
+    """How many of the pairs' ids (-1: none) name each expert [E_POW2]."""
+    return tl.histogram(tl.maximum(e, 0), E_POW2, mask=e >= 0)
 
 
 @triton.jit
@@ -234,7 +237,7 @@ def _slot_table_kernel(ids_ptr, table_ptr, n_tokens, n_pairs, table_words, strid
         tl.store(table_ptr + offs, tl.full([1024], -1, tl.int32), mask=offs < table_words)
     count = tl.zeros([E_POW2], dtype=tl.int32)
     for p0 in range(0, n_pairs, PAIR_CHUNK):
-        count += tl.sum(_pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED, E_POW2)[2], axis=1)
+        count += _expert_counts(_pair_ids(ids_ptr, p0, n_pairs, NUM_ROUTED)[1], E_POW2)
     experts = tl.arange(0, E_POW2)
     slot = tl.cumsum((count > 0).to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # (the -1 fill lands before the rows' stores)
@@ -244,15 +247,17 @@ def _slot_table_kernel(ids_ptr, table_ptr, n_tokens, n_pairs, table_words, strid
     seen = tl.zeros([E_POW2], dtype=tl.int32)  # pairs of earlier chunks that chose each expert
     q = tl.arange(0, PAIR_CHUNK)
     for p0 in range(0, n_pairs, PAIR_CHUNK):
-        p, e, hit = _pair_hits(ids_ptr, p0, n_pairs, NUM_ROUTED, E_POW2)
-        before = tl.sum(hit * seen[:, None], axis=0)
+        p, e = _pair_ids(ids_ptr, p0, n_pairs, NUM_ROUTED)
+        # Counts by histogram and a pair's expert-indexed values by gather: reductions over [E_POW2, PAIR_CHUNK]
+        # one-hot tensors took most of the kernel's instructions.
+        e_at = tl.maximum(e, 0)
         within = tl.sum(((e[:, None] == e[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
-        pair_slot = tl.sum(hit * slot[:, None], axis=0)
-        rank = before + within
+        rank = tl.gather(seen, e_at, 0) + within
+        pair_slot = tl.gather(slot, e_at, 0)
         row = table_ptr + pair_slot.to(tl.int64) * stride_table + TABLE_HEAD
         tl.store(row + rank, p // TOPK, mask=e >= 0)
         tl.store(row + n_tokens + rank, p % TOPK, mask=e >= 0)
-        seen += tl.sum(hit, axis=1)
+        seen += _expert_counts(e, E_POW2)
 
 
 def slot_table_width(n_tokens: int) -> int:
