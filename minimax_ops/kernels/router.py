@@ -153,8 +153,11 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
 @triton.jit
 def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_experts, n_split, scaling,
                         HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-                        SPLIT_POW2: tl.constexpr, NW: tl.constexpr):
+                        SPLIT_POW2: tl.constexpr, NW: tl.constexpr, PDL: tl.constexpr = False):
     """One program per token: the top-k of _router_logits_kernel's partials (unfused mode)."""
+    if PDL:  # a programmatic dependent of the logits kernel, as that one is of its predecessor
+        gdc_wait()
+        gdc_launch_dependents()
     _topk_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0), n_tokens, n_experts, n_split, scaling,
               HAS_BIAS, E_POW2, TOPK, K_POW2, SPLIT_POW2, NW)
 
@@ -235,7 +238,8 @@ def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
           scaling: float, *, config: RouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits = fp32(h) @ gate^T; s = sigmoid; ids = top-k of s + bias (descending); weights =
     s[ids] / sum(s[ids]) * scaling. Returns (weights fp32 [n, k], ids int32 [n, k]).
-    ``config`` overrides ``router_config`` (tuning, tests)."""
+    ``config`` overrides ``router_config`` (tuning, tests); ``pdl``: each kernel launched as a
+    programmatic dependent of the one before it (the fused layer's; the vocabulary op launches plainly)."""
     check_gate(h, gate_weight, bias, top_k)
     n, hidden = h.shape
     gate_weight = gate_weight.contiguous()
@@ -267,7 +271,7 @@ def route(h: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
         PDL=pdl, NW=cfg.num_warps, num_warps=cfg.num_warps, launch_pdl=pdl, **meta)
     if counters is None:
         _router_topk_kernel[(n,)](part, bias_arg, weights, ids, n, n_experts, split, float(scaling),
-                                  NW=TOPK_WARPS, num_warps=TOPK_WARPS, **meta)
+                                  NW=TOPK_WARPS, PDL=pdl, num_warps=TOPK_WARPS, launch_pdl=pdl, **meta)
     return weights, ids
 
 
@@ -283,7 +287,7 @@ def aot_specs() -> list[KernelSpec]:
     of many-token steps and the PDL launch of the fused router. Left out, compiling no line the kept
     ones do not: the tiny size (the same flags, narrower tiles and one split), routers without a
     bias (HAS_BIAS only adds its load) and the fused router without PDL on CUDA (PDL only adds the
-    wait: its PDL launch stands for it there)."""
+    wait: its PDL launch stands for it there). The two-kernel router's top-k with PDL: CUDA only."""
     specs = []
     hidden, inter, n_routed, top_k = AOT_SIZE
     logits_sig = {"h_ptr": "*bf16", "g_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "bias_ptr": "*fp32",
@@ -304,11 +308,13 @@ def aot_specs() -> list[KernelSpec]:
                 dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
                      FUSED_TOPK=fuse, PDL=pdl, NW=cfg.num_warps), num_warps=cfg.num_warps, targets=targets,
                 name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
-        specs.append(KernelSpec(
-            _router_topk_kernel,
-            {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
-             "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
-            dict(meta, NW=TOPK_WARPS), num_warps=TOPK_WARPS, name=f"router_topk_{tag}"))
+        for pdl, targets in ((False, ()), (True, ("cuda",))):
+            specs.append(KernelSpec(
+                _router_topk_kernel,
+                {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+                 "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
+                dict(meta, NW=TOPK_WARPS, PDL=pdl), num_warps=TOPK_WARPS, targets=targets,
+                name=f"router_topk_{tag}{'_pdl' if pdl else ''}"))
     cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
     block_h = block_k_for(hidden, cfg.block_h)
     specs.append(KernelSpec(
