@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from .aot import KernelSpec, with_pdl_variants
 from .norm import check_deferred_norm, check_rows, deferred_norm_args, rstd_of_parts, sumsq_parts
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .splitk import last_arrival, split_counters, sum_splits
@@ -154,7 +154,7 @@ def _router_logits_kernel(h_ptr, g_ptr, part_ptr, cnt_ptr, bias_ptr, weights_ptr
 def _router_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, n_tokens, n_experts, n_split, scaling,
                         HAS_BIAS: tl.constexpr, E_POW2: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
                         SPLIT_POW2: tl.constexpr, NW: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per token: the top-k of _router_logits_kernel's partials (unfused mode)."""
+    """One program per token: the top-k of _router_logits_kernel's partials (its launches without FUSED_TOPK)."""
     if PDL:  # a programmatic dependent of the logits kernel, as that one is of its predecessor
         gdc_wait()
         gdc_launch_dependents()
@@ -308,13 +308,11 @@ def aot_specs() -> list[KernelSpec]:
                 dict(meta, BLOCK_T=TOKEN_BLOCK, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS=cfg.logits,
                      FUSED_TOPK=fuse, PDL=pdl, NW=cfg.num_warps), num_warps=cfg.num_warps, targets=targets,
                 name=f"router_logits_{tag}_fused{int(fuse)}{'_pdl' if pdl else ''}"))
-        for pdl, targets in ((False, ()), (True, ("cuda",))):
-            specs.append(KernelSpec(
-                _router_topk_kernel,
-                {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
-                 "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
-                dict(meta, NW=TOPK_WARPS, PDL=pdl), num_warps=TOPK_WARPS, targets=targets,
-                name=f"router_topk_{tag}{'_pdl' if pdl else ''}"))
+        specs += with_pdl_variants([KernelSpec(
+            _router_topk_kernel,
+            {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+             "n_tokens": "i32", "n_experts": "i32", "n_split": "i32", "scaling": "fp32"},
+            dict(meta, NW=TOPK_WARPS), num_warps=TOPK_WARPS, name=f"router_topk_{tag}")])
     cfg = router_config(max(AOT_TOKENS), n_routed, hidden, 132)
     block_h = block_k_for(hidden, cfg.block_h)
     specs.append(KernelSpec(
@@ -324,22 +322,15 @@ def aot_specs() -> list[KernelSpec]:
          "BLOCK_T": TOKEN_BLOCK, "BLOCK_E": cfg.block_e, "BLOCK_H": block_h, "LOGITS": 1, "FUSED_TOPK": False,
          "PDL": False, "NW": cfg.num_warps}, num_warps=cfg.num_warps, targets=("cuda",),
         name=f"router_logits_h{hidden}_e{cfg.block_e}h{block_h}_tf32x3"))
-    for pdl, targets in ((False, ()), (True, ("cuda",))):  # the fused layer's one-token logits
-        specs.append(KernelSpec(
-            _router_rows_kernel,
-            {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
-             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32"},
-            {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl}, targets=targets,
-            name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}{'_pdl' if pdl else ''}"))
-        # the same with the post norm deferred into it (moe.routed_moe_experts' deferred_norm)
-        specs.append(KernelSpec(
-            _router_rows_kernel,
-            {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
-             "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32", "nw_ptr": "*bf16", "sumsq_ptr": "*fp32",
-             "n_parts": "i32", "eps": "fp32"},
-            {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden), "PDL": pdl, "NORM": True,
-             "BLOCK_P": triton.next_power_of_2(aot_norm_parts())}, targets=targets,
-            name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}_norm{'_pdl' if pdl else ''}"))
+    rows_sig = {"h_ptr": "*bf16", "g_ptr": "*fp32", "logits_ptr": "*fp32", "n_tokens": "i32", "n_experts": "i32",
+                "hidden": "i32", "stride_hm": "i32", "stride_ge": "i32"}
+    rows = {"BLOCK_E": ROWS_BLOCK_E, "BLOCK_H": triton.next_power_of_2(hidden)}
+    specs += with_pdl_variants([  # the fused layer's one-token logits, and with the post norm deferred into them
+        KernelSpec(_router_rows_kernel, rows_sig, rows, name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}"),
+        KernelSpec(_router_rows_kernel, {**rows_sig, "nw_ptr": "*bf16", "sumsq_ptr": "*fp32", "n_parts": "i32",
+                                         "eps": "fp32"},
+                   {**rows, "NORM": True, "BLOCK_P": triton.next_power_of_2(aot_norm_parts())},
+                   name=f"router_rows_h{hidden}_e{ROWS_BLOCK_E}_norm")])
     # De-duplicate router specs that two token counts share.
     unique = {spec.label(): spec for spec in specs}
     return list(unique.values())
