@@ -13,7 +13,8 @@ import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
-         "ring_stream", "gluon_ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies")
+         "ring_stream", "gluon_ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies",
+         "profile_layer")
 HELPERS = ("kernel_attributes",)  # imported by the tools, no main of their own
 
 
@@ -295,6 +296,31 @@ def test_gluon_ring_stream_lays_a_programs_step_in_one_box(tools):
                         assert torch.equal(scales[row], s[src * 32:(src + 1) * 32])
     descs = g.descriptors(words, scales, torch.zeros(n_steps, 2 * 32, dtype=torch.int32))
     assert [d.block_shape for d in descs] == [[box, 128], [box, 32], [1, 64]]
+
+
+def test_profile_layer_report_splits_samples_at_the_wait_and_loads(tools):
+    """The ncu source-page reader: each kernel's instructions and samples (columns found by name), the share sampled
+    before the PDL wait and the cumulative shares at the global loads / stores after it; --kernel keeps one name."""
+    prof = tools("profile_layer")
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","x"\n'
+
+    def kernel(name, rows):
+        return f'"Kernel Name","{name}",\n' + head + "".join(f'"0x{i:x}","      {t}","{s}","0","1"\n'
+                                                              for i, (t, s) in enumerate(rows))
+    split = [("LDC R1, c[0x0][0x28]", 3), ("ACQBULK", 1), ("IMAD R2, R0, R0, RZ", 0), ("LDG.E R4, [R2.64]", 2),
+             ("FADD R5, R4, R4", 10), ("@P0  STG.E [R2.64], R5", 4)]
+    text = kernel("_split", split) + kernel("_merge", [("LDG.E R1, [R2.64]", 5), ("EXIT", 5)]) + kernel("_split", split)
+    kernels = prof.read_kernels(text)
+    assert [k for k, _ in kernels] == ["_split", "_merge", "_split"]
+    assert kernels[0][1][4] == ("FADD R5, R4, R4", 10)
+    total, before, marks = prof.phases(kernels[0][1])
+    assert total == 20 and before == pytest.approx(4 / 20)
+    assert [(i, round(share, 2)) for i, share, _ in marks] == [(3, 0.3), (5, 1.0)]  # the predicated store counts
+    assert prof.phases(kernels[1][1])[1] is None  # no wait: marks from the start
+    out = prof.report(text)
+    assert out.count("_split:") == 1 and "20% before the PDL wait" in out and "no PDL wait" in out
+    one = prof.report(text, kernel="_split", top=1, every=True)
+    assert one.count("_split:") == 2 and "_merge" not in one and one.count("50.0%  FADD") == 2
 
 
 @pytest.mark.parametrize("step_major", [False, True])
