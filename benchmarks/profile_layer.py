@@ -27,7 +27,7 @@ import csv
 import gzip
 import io
 
-_LANDMARKS = ("LDG", "STG", "LDGSTS", "ATOM", "RED")
+_LANDMARKS = {"LDG", "STG", "LDGSTS", "ATOMG", "REDG", "UTMALDG", "UTMASTG"}  # global memory (opcode before its dot)
 _WAIT = "ACQBULK"
 
 
@@ -58,7 +58,7 @@ def phases(instructions: list[tuple[str, int]]) -> tuple[int, float | None, list
         if i == wait:
             before = cum / total
         opcode = text.split()[1] if text.startswith("@") and len(text.split()) > 1 else (text.split() or [""])[0]
-        if (wait is None or i > wait) and opcode.startswith(_LANDMARKS):
+        if (wait is None or i > wait) and opcode.split(".")[0] in _LANDMARKS:
             marks.append((i, cum / total, text))
     return total, before, marks
 

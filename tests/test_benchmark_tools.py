@@ -308,14 +308,14 @@ def test_profile_layer_report_splits_samples_at_the_wait_and_loads(tools):
         return f'"Kernel Name","{name}",\n' + head + "".join(f'"0x{i:x}","      {t}","{s}","0","1"\n'
                                                               for i, (t, s) in enumerate(rows))
     split = [("LDC R1, c[0x0][0x28]", 3), ("ACQBULK", 1), ("IMAD R2, R0, R0, RZ", 0), ("LDG.E R4, [R2.64]", 2),
-             ("FADD R5, R4, R4", 10), ("@P0  STG.E [R2.64], R5", 4)]
+             ("FADD R5, R4, R4", 10), ("REDUX.MAX.S32 UR9, R5", 0), ("@P0  STG.E [R2.64], R5", 4)]
     text = kernel("_split", split) + kernel("_merge", [("LDG.E R1, [R2.64]", 5), ("EXIT", 5)]) + kernel("_split", split)
     kernels = prof.read_kernels(text)
     assert [k for k, _ in kernels] == ["_split", "_merge", "_split"]
     assert kernels[0][1][4] == ("FADD R5, R4, R4", 10)
     total, before, marks = prof.phases(kernels[0][1])
     assert total == 20 and before == pytest.approx(4 / 20)
-    assert [(i, round(share, 2)) for i, share, _ in marks] == [(3, 0.3), (5, 1.0)]  # the predicated store counts
+    assert [(i, round(share, 2)) for i, share, _ in marks] == [(3, 0.3), (6, 1.0)]  # the predicated store, no REDUX
     assert prof.phases(kernels[1][1])[1] is None  # no wait: marks from the start
     out = prof.report(text)
     assert out.count("_split:") == 1 and "20% before the PDL wait" in out and "no PDL wait" in out
