@@ -50,16 +50,17 @@ def read_kernels(text: str) -> list[tuple[str, list[tuple[str, int]]]]:
 def phases(instructions: list[tuple[str, int]]) -> tuple[int, float | None, list[tuple[int, float, str]]]:
     """(samples, share sampled before the PDL wait or None without one, [(index, cumulative share, instruction)]
     at each global memory instruction after the wait (or from the start))."""
-    total = sum(s for _, s in instructions) or 1
+    total = sum(s for _, s in instructions)
+    share = 1 / max(total, 1)
     wait = next((i for i, (text, _) in enumerate(instructions) if _WAIT in text), None)
     cum, marks, before = 0, [], None
     for i, (text, samples) in enumerate(instructions):
         cum += samples
         if i == wait:
-            before = cum / total
-        opcode = text.split()[1] if text.startswith("@") and len(text.split()) > 1 else (text.split() or [""])[0]
-        if (wait is None or i > wait) and opcode.split(".")[0] in _LANDMARKS:
-            marks.append((i, cum / total, text))
+            before = cum * share
+        words = [w for w in text.split() if not w.startswith("@")]  # (the predicate, if any, goes first)
+        if (wait is None or i > wait) and words and words[0].split(".")[0] in _LANDMARKS:
+            marks.append((i, cum * share, text))
     return total, before, marks
 
 
@@ -80,7 +81,7 @@ def report(text: str, kernel: str | None = None, top: int = 20, every: bool = Fa
         if kernel:
             lines.append("  most sampled:")
             ranked = sorted(enumerate(instructions), key=lambda t: -t[1][1])[:top]
-            lines += [f"    {i:5d} {s:6d} {100 * s / total:5.1f}%  {t[:90]}" for i, (t, s) in ranked]
+            lines += [f"    {i:5d} {s:6d} {100 * s / max(total, 1):5.1f}%  {t[:90]}" for i, (t, s) in ranked]
     return "\n".join(lines)
 
 
