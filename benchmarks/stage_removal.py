@@ -11,7 +11,8 @@ returning the first full call's output.
 The default variants take stages out of the layer as it runs by default (one-token steps: the post norm
 deferred into o_proj, the router and w13; the router's top-k made in the expert kernels), each alone and
 the five latency-bound kernels (input norm, score pass, attention merge, router logits, expert combine)
-together. The legacy variants (``--only`` names them) time stages those defaults leave out: the
+together, and "streams only" (those five and the attention's split kernel: the weight streams and their
+handoffs alone). The legacy variants (``--only`` names them) time stages those defaults leave out: the
 post-attention norm's kernel (the process then runs with MINIMAX_OPS_DEFER_POST_NORM=0), the router's own
 top-k launch (MINIMAX_OPS_ROUTE_IN_EXPERTS=0); the switch then holds for every variant of the process, the
 full layer too.
@@ -53,8 +54,11 @@ LATENCY_BOUND = {"input", "score", "merge", "logits", "combine"}
 # (No score pass alone: without it the attention split, which reads q before its PDL wait on the score pass,
 # reads it before the qkv kernel is done; the routing then follows garbage. "all five" keeps the first call's
 # router logits, so there the work stays the layer's.)
+# "streams only": every kernel that streams no weights taken out (the five and the attention's split kernel): what
+# is left is the weight streams with their handoffs, the least any fold of the latency-bound work could leave.
 VARIANTS = {"full layer": set(), "input norm": {"input"}, "attention merge": {"merge"}, "router logits": {"logits"},
-            "expert combine": {"combine"}, "all five": LATENCY_BOUND, "indexer + attention": {"attention"}}
+            "expert combine": {"combine"}, "all five": LATENCY_BOUND, "indexer + attention": {"attention"},
+            "streams only": {"input", "attention", "logits", "combine"}}
 LEGACY = {"post-attention norm": {"post"}, "both norms": {"input", "post"}, "router": {"route"},
           "both norms and the router": {"input", "post", "route"}, "router top-k": {"topk"},
           "router top-k and merge": {"topk", "merge"}}

@@ -14,7 +14,7 @@ import torch
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
          "ring_stream", "gluon_ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies",
-         "profile_layer")
+         "profile_layer", "read_ceiling")
 HELPERS = ("kernel_attributes",)  # imported by the tools, no main of their own
 
 
@@ -346,6 +346,26 @@ def test_read_patterns_kernel_reads_every_word_once(tools, step_major):
         return int(v[0])
     assert xor_all(out) == xor_all(src)
     assert xor_all(out[: out.numel() // 2]) != 0  # (the fold is not trivially empty)
+
+
+@pytest.mark.parametrize("contig", [True, False])
+def test_read_ceiling_kernel_reads_every_tile_once(tools, contig):
+    """Both orders of the read-ceiling kernel fold every tile of the buffer exactly once, with a tile
+    count the programs do not divide (a tile read twice or missed would change the XOR)."""
+    rc = tools("read_ceiling")
+    tile, programs, n_tiles = 1024, 5, 23
+    torch.manual_seed(0)
+    src = torch.randint(-2**31, 2**31 - 1, (n_tiles * tile,), dtype=torch.int32)
+    out = torch.zeros(programs * tile, dtype=torch.int32)
+    rc._read_kernel[(programs,)](src, out, n_tiles, -(-n_tiles // programs), TILE=tile, CONTIG=contig, MODE=0)
+
+    def fold(rows):
+        acc = torch.zeros(tile, dtype=torch.int32)
+        for r in rows:
+            acc ^= r
+        return acc
+    assert torch.equal(fold(out.view(programs, tile)), fold(src.view(n_tiles, tile)))
+    assert fold(out.view(programs, tile)[:2]).any()  # (the fold is not trivially empty)
 
 
 def test_kernel_attributes_reach_every_loaded_kernel(tools, monkeypatch):
