@@ -378,9 +378,9 @@ def test_mxfp4_w13_gate_and_up_in_one_stream(n, device, monkeypatch):
 def test_moe_three_step_ring(fmt, device, monkeypatch):
     """Three load steps held in registers, x loaded at each product (ExpertTiles.ring 3, block_stream's
     RING: the one-token w2's tiles), in both kernels: 4 and 5 steps (a loop turn, then one or two
-    steps), the paired w13, w2's preloaded first step; on CUDA also 2 and 1 steps (no turn), more
-    tokens and two token groups on one stream (MXFP8, fixed groups). Against the reference and the
-    two-step ring."""
+    steps), the paired w13, w2's preloaded first step (and first two, bit for bit); on CUDA also 2 and 1
+    steps (no turn), more tokens and two token groups on one stream (MXFP8, fixed groups). Against the
+    reference and the two-step ring."""
     from minimax_ops.kernels import moe_mma
     monkeypatch.setattr(moe_mma, "portable_mma_tiles", lambda t: t)
     torch.manual_seed(61)
@@ -400,10 +400,31 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
             t2 = dataclasses.replace(base2, split=s2, k_chunks=1, num_warps=1, num_stages=1)
             two = moe_experts(h, ids, weights, *mma, num_routed_experts=E,
                               tiles=(dataclasses.replace(t13, ring=2), dataclasses.replace(t2, ring=2)))
-            out = moe_experts(h, ids, weights, *mma, num_routed_experts=E,
-                              tiles=(dataclasses.replace(t13, ring=3), dataclasses.replace(t2, ring=3)))
+            ring3 = (dataclasses.replace(t13, ring=3), dataclasses.replace(t2, ring=3))
+            out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=ring3)
             assert rel_err(out, want) < 1.5e-2, (n, t13, t2)
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
+            # w2 with its first two steps read before the wait (the rule takes it for programmatic dependents only,
+            # the fused layer's one-token steps: forced here): the same products, in order
+            with monkeypatch.context() as m:
+                m.setattr(moe_mma, "w2_preload_steps", lambda n_tokens, ring, pdl: 2 if n_tokens == 1 else 0)
+                preloaded = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=ring3)
+            assert torch.equal(preloaded, out), (n, t13, t2)
+
+
+def test_w2_preload_steps_rule(monkeypatch):
+    """w2 reads one weight step before its wait in steps of one token group, two where it launches as a
+    programmatic dependent with tiles that hold three steps (unless MINIMAX_OPS_W2_PRELOAD_STEPS=1), none
+    where the preload is off."""
+    from minimax_ops.kernels.mma_launch import w2_preload_steps
+    monkeypatch.delenv("MINIMAX_OPS_W2_PRELOAD_STEPS", raising=False)
+    monkeypatch.delenv("MINIMAX_OPS_NO_PRELOAD", raising=False)
+    assert [w2_preload_steps(1, 3, True), w2_preload_steps(1, 2, True), w2_preload_steps(1, 3, False),
+            w2_preload_steps(8, 2, True), w2_preload_steps(16, 3, True)] == [2, 1, 1, 1, 0]
+    monkeypatch.setenv("MINIMAX_OPS_W2_PRELOAD_STEPS", "1")
+    assert [w2_preload_steps(1, 3, True), w2_preload_steps(16, 3, True)] == [1, 0]
+    monkeypatch.setenv("MINIMAX_OPS_NO_PRELOAD", "1")
+    assert w2_preload_steps(1, 3, True) == 0
 
 
 def test_one_token_w2_ring():

@@ -325,13 +325,13 @@ def _weight_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.const
 
 @triton.jit
 def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr,
-                 PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
-    """Step 0 of a single-stream block_stream's weights (pass them as its ``first``), read where
-    ``valid`` (a scalar) holds. The weights do not depend on the previous kernel: a programmatic
-    dependent reads them before it waits, so its first DRAM round trip overlaps that kernel's tail
-    instead of following it."""
+                 PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False, STEP: tl.constexpr = 0):
+    """Step STEP (0 or 1) of a single-stream block_stream's weights (pass them as its ``first`` /
+    ``second``), read where ``valid`` (a scalar) holds. The weights do not depend on the previous
+    kernel: a programmatic dependent reads them before it waits, so its first DRAM round trip overlaps
+    that kernel's tail instead of following it."""
     w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
-    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid, EVICT_FIRST)
+    return _load_blocks(w_ptrs, s_ptrs, STEP * DEPTH, FP8, PTX, valid, EVICT_FIRST)
 
 
 @triton.jit
@@ -429,7 +429,7 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
                  PTX: tl.constexpr, PREFETCH: tl.constexpr = 0, FP8: tl.constexpr = False,
                  SKIP_PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1, PAIR: tl.constexpr = False,
                  w_pair=0, s_pair=0, PRELOADED: tl.constexpr = False, first=None, RING: tl.constexpr = 2,
-                 EVICT_FIRST: tl.constexpr = False):
+                 EVICT_FIRST: tl.constexpr = False, second=None):
     """(acc, acc2) [DEPTH * NW * 32, 4] += the K blocks kb_begin .. kb_begin + n_steps * DEPTH - 1
     of each warp's row block times the token group at x_rows (and, GROUPS = 2, the second one at
     y_rows into acc2: the weights are loaded once for both; GROUPS = 1 returns acc2 as given), in
@@ -453,6 +453,8 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``).
     PRELOADED: ``first`` holds step 0's weights (``first_blocks``, one stream), read by the caller
     before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
+    PRELOADED 2 (RING 3): ``second`` holds step 1's too (read where n_steps > 1), so the ring is full at
+    the wait.
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
     its product, so the third step takes their registers (ExpertTiles.ring). EVICT_FIRST: the weight loads
@@ -469,6 +471,7 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
         for p in tl.static_range(PREFETCH):
             _prefetch_streams(w_pf, s_pf, w_lead, s_lead, w_pair, s_pair, p, n_steps, DEPTH, FP8, PAIR)
     tl.static_assert(RING == 2 or RING == 3, "block_stream: RING is 2 or 3 steps")
+    tl.static_assert(PRELOADED != 2 or RING == 3, "block_stream: two preloaded steps take the three-step ring")
     if PRELOADED:
         wa, ha, sa = first
         ua, uha, usa = wa, ha, sa
@@ -496,8 +499,12 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     else:
         # Three steps a turn, two in flight while the third is multiplied; the x pairs are loaded at
         # their product (L1 / L2 hits), so the third step's weights take their registers.
-        wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR, PTX,
-                                                 EVICT_FIRST)
+        if PRELOADED == 2:
+            wb, hb, sb = second
+            ub, uhb, usb = wb, hb, sb
+        else:
+            wb, hb, sb, ub, uhb, usb = _load_weights(w_ptrs, s_ptrs, w_pair, s_pair, 1, n_steps, DEPTH, FP8, PAIR,
+                                                     PTX, EVICT_FIRST)
         for it in range(n_steps // 3):
             wc, hc, sc, uc, uhc, usc = _prefetch_and_load(w_pf, s_pf, w_lead, s_lead, w_ptrs, s_ptrs, w_pair, s_pair,
                                                           3 * it + 2, n_steps, PREFETCH, DEPTH, FP8, PAIR, PTX,

@@ -46,7 +46,7 @@ from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_
 from .linear_mma import aot_norm_parts
 from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, pair_sets, warp_parts,
                          warp_rows)
-from .mma_launch import check_aligned, mma_operands, preload_first, preloads, weights_evict_first
+from .mma_launch import check_aligned, mma_operands, preloads, w2_preload_steps, weights_evict_first
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
@@ -245,9 +245,9 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                    ROUTE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, EVICT_FIRST: tl.constexpr = False):
     """a_ptr: int32 view of a [n, columns, I] (strides in words). Every split stores its partial
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
-    w13 began: PRELOAD finds it from the ids and reads the first weight step before (PDL) waiting
-    for w13's activations (mma_decode.first_blocks); TABLE reads the expert and its passes' tokens
-    from the step's slot table (complete before w13's routed programs passed their wait). ROUTE: the
+    w13 began: PRELOAD finds it from the ids and reads the first weight step (PRELOAD 2, RING 3: the
+    first two) before (PDL) waiting for w13's activations (mma_decode.first_blocks); TABLE reads the
+    expert and its passes' tokens from the step's slot table (complete before w13's routed programs passed their wait). ROUTE: the
     expert from the router's logits (route_ptr), as w13's; complete before w13's routed programs passed
     their wait too, so also read before this kernel's."""
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
@@ -269,10 +269,13 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     kb_split = inter_e // 64 // SPLIT
     kb_begin = tl.program_id(2) * kb_split
     n_steps = kb_split // DEPTH
-    step0 = None
+    step0, step1 = None, None
     if PRELOAD:
         step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX,
                              EVICT_FIRST)
+        if PRELOAD == 2:
+            step1 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 1), NW, DEPTH, FP8, PTX,
+                                 EVICT_FIRST, STEP=1)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -291,11 +294,11 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
                               + tl.maximum(col_b, 0) * stride_acol)
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, GROUPS=2, PRELOADED=PRELOAD, first=step0, RING=RING,
-                                             EVICT_FIRST=EVICT_FIRST)
+                                             EVICT_FIRST=EVICT_FIRST, second=step1)
                 else:
                     acc, acc2 = block_stream(zero, zero, w_rows, s_rows, x_rows, x_rows, kb_begin, n_steps, NW, DEPTH,
                                              PTX, PREFETCH, FP8, PRELOADED=PRELOAD, first=step0, RING=RING,
-                                             EVICT_FIRST=EVICT_FIRST)
+                                             EVICT_FIRST=EVICT_FIRST, second=step1)
                 _store_y(fold(acc, NW, DEPTH), first, compact, hidden, ids_ptr, ids, row_ptr, n_tokens, expert, y_ptr,
                          stride_ysplit, stride_ym, stride_ycol, NUM_ROUTED, TOPK, K_POW2, SHARED_ONLY, NW, TABLE)
                 if both:
@@ -380,7 +383,6 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
     counters = split_counters(h.device, slots * groups) if split > 1 else None
     if counters is None or part is None:
         split, part, counters = 1, a, ids  # (unused pointers)
-    preload = preload_first(n)
     if route is not None:
         if n != 1 or shared_only:
             raise ValueError(f"route: the experts route in-kernel only one-token steps of routed slots, got {n} tokens")
@@ -408,7 +410,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=preload, TABLE=table_on,
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=w2_preload_steps(n, t2.ring, pdl),
+        TABLE=table_on,
         RING=t2.ring,
         num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
@@ -503,14 +506,18 @@ def aot_specs() -> list[KernelSpec]:
                 name=f"mma_w13_{label}{'_norm' if norm else ''}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
                      f"{'_paired' if paired else ''}{'_table' if table else ''}",
                 max_registers=t13.max_registers))
-        if (label, "w2", t2, preload, table) not in seen:
-            seen.add((label, "w2", t2, preload, table))
+        # (PTX ring-3 dependents also with two steps read before the wait: mma_launch.w2_preload_steps)
+        for steps in (int(preload), 2) if preload and ptx and pdl and t2.ring == 3 else (int(preload),):
+            if (label, "w2", t2, steps, table) in seen:
+                continue
+            seen.add((label, "w2", t2, steps, table))
             specs.append(KernelSpec(
                 _mma_w2_kernel, sig2,
                 dict(common, NW=t2.num_warps, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
-                     PRELOAD=preload, TABLE=table, RING=t2.ring),
+                     PRELOAD=steps, TABLE=table, RING=t2.ring),
                 num_warps=t2.num_warps, num_stages=1, targets=targets if w2_targets is None else w2_targets,
-                name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}{'_ring3' if t2.ring == 3 else ''}",
+                name=f"mma_w2_{label}_d{t2.k_chunks}_s{t2.split}{tag}{'2' if steps == 2 else ''}"
+                     f"{'_ring3' if t2.ring == 3 else ''}",
                 max_registers=t2.max_registers))
 
     small, real = AOT_SIZES
