@@ -72,8 +72,8 @@ def _fits(warps: int, u: int, per_sm: int) -> bool:
     return per_sm * warps * 32 * (12 * u + 24) <= 65536 and per_sm * warps <= 64
 
 
-def _reads(mb: float, config, mode: str, sms: int, copies: list[torch.Tensor], out: torch.Tensor):
-    """The timed call: one read of each copy (mb each), back to back."""
+def _reads(config, mode: str, sms: int, copies: list[torch.Tensor], out: torch.Tensor):
+    """The timed call: one read of each copy, back to back."""
     warps, u, per_sm, contig = config
     tile = warps * 32 * 4 * u
     programs = per_sm * sms
@@ -111,7 +111,7 @@ def main() -> None:
     print("config | us | TB/s")
     swept = []
     for c in configs:
-        us = _time(_reads(mb, c, "plain", sms, copies, out), graph=True) / len(copies)
+        us = _time(_reads(c, "plain", sms, copies, out), graph=True) / len(copies)
         swept.append((us, c))
         print(f"{_config_label(c)} | {us:.1f} | {mb / us:.2f}")
     best = [c for _, c in sorted(swept)[:args.top]]
@@ -122,7 +122,7 @@ def main() -> None:
         copies = _buffers(size, tile_max)
         mb = copies[0].numel() * 4 / 1e6
         for mode in MODES:
-            us, c = min((_time(_reads(mb, c, mode, sms, copies, out), graph=True) / len(copies), c) for c in best)
+            us, c = min((_time(_reads(c, mode, sms, copies, out), graph=True) / len(copies), c) for c in best)
             print(f"{mb:.1f} | {mode} | {_config_label(c)} | {us:.1f} | {mb / us:.2f}")
         floats = [x.view(torch.float32) for x in copies]
         us = _time(lambda: [torch.sum(x) for x in floats], graph=True) / len(copies)
