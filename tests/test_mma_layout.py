@@ -404,27 +404,28 @@ def test_moe_three_step_ring(fmt, device, monkeypatch):
             out = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=ring3)
             assert rel_err(out, want) < 1.5e-2, (n, t13, t2)
             assert rel_err(out, two) < 1e-5, (n, t13, t2)
-            # w2 with its first two steps read before the wait (the rule takes it for programmatic dependents only,
-            # the fused layer's one-token steps: forced here): the same products, in order
+            # w2 with its first two steps read before the wait (the rule takes it for the fused layer's routed
+            # one-token w2 only: forced here): the same products, in order
             with monkeypatch.context() as m:
-                m.setattr(moe_mma, "w2_preload_steps", lambda n_tokens, ring, pdl: 2 if n_tokens == 1 else 0)
+                m.setattr(moe_mma, "w2_preload_steps", lambda n_tokens, ring, pdl, routed: 2 if n_tokens == 1 else 0)
                 preloaded = moe_experts(h, ids, weights, *mma, num_routed_experts=E, tiles=ring3)
             assert torch.equal(preloaded, out), (n, t13, t2)
 
 
 def test_w2_preload_steps_rule(monkeypatch):
-    """w2 reads one weight step before its wait in steps of one token group, two where it launches as a
-    programmatic dependent with tiles that hold three steps (unless MINIMAX_OPS_W2_PRELOAD_STEPS=1), none
-    where the preload is off."""
+    """w2 reads one weight step before its wait in steps of one token group, two where it is the fused
+    layer's routed one (a programmatic dependent) with tiles that hold three steps (unless
+    MINIMAX_OPS_W2_PRELOAD_STEPS=1), none where the preload is off."""
     from minimax_ops.kernels.mma_launch import w2_preload_steps
     monkeypatch.delenv("MINIMAX_OPS_W2_PRELOAD_STEPS", raising=False)
     monkeypatch.delenv("MINIMAX_OPS_NO_PRELOAD", raising=False)
-    assert [w2_preload_steps(1, 3, True), w2_preload_steps(1, 2, True), w2_preload_steps(1, 3, False),
-            w2_preload_steps(8, 2, True), w2_preload_steps(16, 3, True)] == [2, 1, 1, 1, 0]
+    assert [w2_preload_steps(1, 3, True, True), w2_preload_steps(1, 2, True, True), w2_preload_steps(1, 3, False, True),
+            w2_preload_steps(1, 3, True, False), w2_preload_steps(8, 2, True, False),
+            w2_preload_steps(16, 3, True, False)] == [2, 1, 1, 1, 1, 0]
     monkeypatch.setenv("MINIMAX_OPS_W2_PRELOAD_STEPS", "1")
-    assert [w2_preload_steps(1, 3, True), w2_preload_steps(16, 3, True)] == [1, 0]
+    assert [w2_preload_steps(1, 3, True, True), w2_preload_steps(16, 3, True, False)] == [1, 0]
     monkeypatch.setenv("MINIMAX_OPS_NO_PRELOAD", "1")
-    assert w2_preload_steps(1, 3, True) == 0
+    assert w2_preload_steps(1, 3, True, True) == 0
 
 
 def test_one_token_w2_ring():

@@ -24,14 +24,15 @@ def preload_first(n_tokens: int) -> bool:
     return preloads(n_tokens) and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
 
 
-def w2_preload_steps(n_tokens: int, ring: int, pdl: bool) -> int:
-    """The weight steps an n-token w2 launch reads before its PDL wait: ``preload_first``'s one, two where it
-    launches as a programmatic dependent (the fused layer: the steps then load under w13's tail) with tiles that
-    hold three steps in registers (ring 3: the ring is full at the wait; BENCHMARKS.md, forty-third session),
-    unless MINIMAX_OPS_W2_PRELOAD_STEPS=1 (read at every call: A/B runs switch it between rounds)."""
+def w2_preload_steps(n_tokens: int, ring: int, pdl: bool, routed: bool) -> int:
+    """The weight steps an n-token w2 launch reads before its PDL wait: ``preload_first``'s one, two where it is
+    the fused layer's routed one-token w2 (a programmatic dependent that makes the router's top-k itself: the
+    steps then load under w13's tail) with tiles that hold three steps in registers (ring 3: the ring is full at
+    the wait, no spill; BENCHMARKS.md, forty-third session), unless MINIMAX_OPS_W2_PRELOAD_STEPS=1 (read at every
+    call: A/B runs switch it between rounds). The other ring-3 launches spill with two (AOT check)."""
     if not preload_first(n_tokens):
         return 0
-    two = pdl and ring == 3 and os.environ.get("MINIMAX_OPS_W2_PRELOAD_STEPS") != "1"
+    two = pdl and routed and ring == 3 and os.environ.get("MINIMAX_OPS_W2_PRELOAD_STEPS") != "1"
     return 2 if two else 1
 
 

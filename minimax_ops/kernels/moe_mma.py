@@ -247,9 +247,9 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     for the chosen (token, column) pairs. The slot's expert comes from the router, complete before
     w13 began: PRELOAD finds it from the ids and reads the first weight step (PRELOAD 2, RING 3: the
     first two) before (PDL) waiting for w13's activations (mma_decode.first_blocks); TABLE reads the
-    expert and its passes' tokens from the step's slot table (complete before w13's routed programs passed their wait). ROUTE: the
-    expert from the router's logits (route_ptr), as w13's; complete before w13's routed programs passed
-    their wait too, so also read before this kernel's."""
+    expert and its passes' tokens from the step's slot table (complete before w13's routed programs
+    passed their wait). ROUTE: the expert from the router's logits (route_ptr), as w13's; complete
+    before w13's routed programs passed their wait too, so also read before this kernel's."""
     STEP: tl.constexpr = 2 * TOKENS if TWO_GROUPS else TOKENS
     ids = None
     if ROUTE:
@@ -410,9 +410,8 @@ def launch_mma_experts(h, ids, w13, w2, a, y, part, *, slots, inter, n_routed, s
         shared_slots,
         a32.stride(0), a32.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1), sw.stride(1), ss.stride(1),
         y.stride(0), y.stride(1), y.stride(2),
-        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2), PRELOAD=w2_preload_steps(n, t2.ring, pdl),
-        TABLE=table_on,
-        RING=t2.ring,
+        NW=nw2, DEPTH=t2.k_chunks, SPLIT=t2.split, PREFETCH=_prefetch(t2),
+        PRELOAD=w2_preload_steps(n, t2.ring, pdl, route is not None), TABLE=table_on, RING=t2.ring,
         num_warps=nw2, num_stages=1, launch_pdl=pdl, **register_cap(t2), **common)
 
 
@@ -506,8 +505,8 @@ def aot_specs() -> list[KernelSpec]:
                 name=f"mma_w13_{label}{'_norm' if norm else ''}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
                      f"{'_paired' if paired else ''}{'_table' if table else ''}",
                 max_registers=t13.max_registers))
-        # (PTX ring-3 dependents also with two steps read before the wait: mma_launch.w2_preload_steps)
-        for steps in (int(preload), 2) if preload and ptx and pdl and t2.ring == 3 else (int(preload),):
+        # (the fused layer's routed ring-3 w2 also with two steps read before the wait: mma_launch.w2_preload_steps)
+        for steps in (int(preload), 2) if preload and ptx and pdl and route and t2.ring == 3 else (int(preload),):
             if (label, "w2", t2, steps, table) in seen:
                 continue
             seen.add((label, "w2", t2, steps, table))
