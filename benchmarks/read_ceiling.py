@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 
 import torch
 import triton
@@ -90,7 +91,9 @@ def _reads(config, mode: str, sms: int, copies: list[torch.Tensor], out: torch.T
 
 def _buffers(mb: float, tile_max: int) -> list[torch.Tensor]:
     words = int(mb * 1e6 / 4) // tile_max * tile_max
-    n = max(2, -(-600 // int(mb)))
+    if words == 0:
+        raise ValueError(f"size: expected at least {tile_max * 4 / 1e6:.2f} MB (one tile of the sweep), got {mb} MB")
+    n = max(2, math.ceil(600 / mb))
     return [torch.randn(words, device="cuda").view(torch.int32) for _ in range(n)]
 
 

@@ -325,13 +325,23 @@ def _weight_pointers(w_rows, s_rows, kb_begin, NW: tl.constexpr, DEPTH: tl.const
 
 @triton.jit
 def first_blocks(w_rows, s_rows, kb_begin, valid, NW: tl.constexpr, DEPTH: tl.constexpr, FP8: tl.constexpr,
-                 PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False, STEP: tl.constexpr = 0):
-    """Step STEP (0 or 1) of a single-stream block_stream's weights (pass them as its ``first`` /
-    ``second``), read where ``valid`` (a scalar) holds. The weights do not depend on the previous
-    kernel: a programmatic dependent reads them before it waits, so its first DRAM round trip overlaps
-    that kernel's tail instead of following it."""
+                 PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+    """Step 0 of a single-stream block_stream's weights (pass them as its ``first``), read where ``valid``
+    (a scalar) holds. The weights do not depend on the previous kernel: a programmatic dependent reads
+    them before it waits, so its first DRAM round trip overlaps that kernel's tail instead of following it."""
     w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
-    return _load_blocks(w_ptrs, s_ptrs, STEP * DEPTH, FP8, PTX, valid, EVICT_FIRST)
+    return _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid, EVICT_FIRST)
+
+
+@triton.jit
+def first_two_blocks(w_rows, s_rows, kb_begin, valid, n_steps, NW: tl.constexpr, DEPTH: tl.constexpr,
+                     FP8: tl.constexpr, PTX: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+    """``first_blocks`` for block_stream's PRELOADED 2: steps 0 and 1 (its ``first``, ``second``) from one set
+    of pointers, each read where ``valid`` holds and the program has that many of its n_steps."""
+    w_ptrs, s_ptrs = _weight_pointers(w_rows, s_rows, kb_begin, NW, DEPTH, FP8)
+    step0 = _load_blocks(w_ptrs, s_ptrs, 0, FP8, PTX, valid & (n_steps > 0), EVICT_FIRST)
+    step1 = _load_blocks(w_ptrs, s_ptrs, DEPTH, FP8, PTX, valid & (n_steps > 1), EVICT_FIRST)
+    return step0, step1
 
 
 @triton.jit
@@ -453,7 +463,7 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``).
     PRELOADED: ``first`` holds step 0's weights (``first_blocks``, one stream), read by the caller
     before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
-    PRELOADED 2 (RING 3): ``second`` holds step 1's too (read where n_steps > 1), so the ring is full at
+    PRELOADED 2 (RING 3): ``second`` holds step 1's too (``first_two_blocks``, read where n_steps > 1), so the ring is full at
     the wait.
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at

@@ -44,8 +44,8 @@ from .expert_passes import program_slot, shared_pass, shared_passes, token_group
 from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_ids, routed_weights, slot_weights,
                            swiglu_oai)
 from .linear_mma import aot_norm_parts
-from .mma_decode import (TOKENS, block_stream, first_blocks, fold, fold_warps, fragment_index, pair_sets, warp_parts,
-                         warp_rows)
+from .mma_decode import (TOKENS, block_stream, first_blocks, first_two_blocks, fold, fold_warps, fragment_index,
+                         pair_sets, warp_parts, warp_rows)
 from .mma_launch import check_aligned, mma_operands, preloads, w2_preload_steps, weights_evict_first
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
@@ -271,11 +271,12 @@ def _mma_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr, table_pt
     n_steps = kb_split // DEPTH
     step0, step1 = None, None
     if PRELOAD:
-        step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX,
-                             EVICT_FIRST)
         if PRELOAD == 2:
-            step1 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 1), NW, DEPTH, FP8, PTX,
-                                 EVICT_FIRST, STEP=1)
+            step0, step1 = first_two_blocks(w_rows, s_rows, kb_begin, expert >= 0, n_steps, NW, DEPTH, FP8, PTX,
+                                            EVICT_FIRST)
+        else:
+            step0 = first_blocks(w_rows, s_rows, kb_begin, (expert >= 0) & (n_steps > 0), NW, DEPTH, FP8, PTX,
+                                 EVICT_FIRST)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
