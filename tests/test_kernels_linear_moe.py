@@ -20,7 +20,7 @@ from minimax_ops.kernels import router as router_kernels
 from minimax_ops.kernels import splitk
 from minimax_ops.kernels.moe import moe_experts
 from minimax_ops.kernels.router import route
-from minimax_ops.kernels.tiles import ExpertTiles, GemvConfig, RouterConfig
+from minimax_ops.kernels.tiles import COMBINE_BLOCK, ExpertTiles, GemvConfig, RouterConfig, combine_block
 from minimax_ops.kernels.mx_linear import mx_linear
 from utils import rel_err
 
@@ -325,6 +325,31 @@ def test_moe_padding_rows_and_invalid_ids(device):
     assert rel_err(out, want) < 1.5e-2
     shared_only = ref.mlp(h[4:].float(), table[0][E], table[1][E], table[2][E], table[3][E])
     assert rel_err(out[4:], shared_only) < 1.5e-2
+
+
+def test_combine_block_switch(monkeypatch, device):
+    """The combine's columns a program (tiles.combine_block, an A/B switch) change no bit of the output at a
+    hidden size several programs split (uneven at 384 / 256); a value that is no power of two in range is
+    refused, naming the variable."""
+    torch.manual_seed(21)
+    n, hidden = 3, 384
+    h = torch.randn(n, hidden, device=device).bfloat16()
+    ids, weights = _routing(n, device, few_experts=False)
+    _, (kw13, ks13) = make_weight(2 * I, hidden, "mxfp8", device, lead=(E + 1,))
+    _, (kw2, ks2) = make_weight(hidden, I, "mxfp8", device, lead=(E + 1,))
+    outs = []
+    for block in ("128", "256", "1024"):
+        monkeypatch.setenv("MINIMAX_OPS_COMBINE_BLOCK", block)
+        assert combine_block() == int(block)
+        outs.append(moe_experts(h, ids, weights, kw13, ks13, kw2, ks2, num_routed_experts=E))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert outs[0].abs().max() > 0
+    for bad in ("96", "64", "8192"):
+        monkeypatch.setenv("MINIMAX_OPS_COMBINE_BLOCK", bad)
+        with pytest.raises(ValueError, match="MINIMAX_OPS_COMBINE_BLOCK"):
+            combine_block()
+    monkeypatch.delenv("MINIMAX_OPS_COMBINE_BLOCK")
+    assert combine_block() == COMBINE_BLOCK
 
 
 def test_moe_rejects_bad_tables(device):

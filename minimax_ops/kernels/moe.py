@@ -41,7 +41,7 @@ from . import router
 from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import COMBINE_BLOCK, EXPERT_FORMATS, TOKEN_BLOCK, ExpertTiles, expert_tiles, fit_chunks, num_sms
+from .tiles import COMBINE_BLOCK, EXPERT_FORMATS, combine_block, TOKEN_BLOCK, ExpertTiles, expert_tiles, fit_chunks, num_sms
 
 @triton.jit
 def _store_activation(acc, a_ptr, offs_m, col, chosen, offs_i, inter_e, stride_am, stride_acol, alpha, limit,
@@ -429,9 +429,10 @@ def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
                         a_shared, y, spart, slots=1, inter=inter_shared, n_routed=num_routed_experts,
                         shared_slot=False, shared_separate=False, shared_only=True, t13=st13, t2=st2,
                         alpha=alpha, limit=limit, pdl=pdl, norm=norm)
-    _moe_combine_kernel[(n, triton.cdiv(hidden, COMBINE_BLOCK))](
+    block_h = combine_block()
+    _moe_combine_kernel[(n, triton.cdiv(hidden, block_h))](
         y, topk_weights, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
-        NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=COMBINE_BLOCK, SPLIT=t2.split,
+        NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=block_h, SPLIT=t2.split,
         PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 

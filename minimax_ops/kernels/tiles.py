@@ -140,7 +140,19 @@ _EXPERT_TILES = {
 }
 _EXPERT_MIN_PROGRAMS = (1.0, 5.0)  # per SM, (w13, w2)
 _MIN_ITERS_PER_SPLIT = 4
-COMBINE_BLOCK = 1024
+COMBINE_BLOCK = 256
+
+
+def combine_block() -> int:
+    """The expert combine's columns a program: COMBINE_BLOCK, unless MINIMAX_OPS_COMBINE_BLOCK (a power of
+    two, 128-4096; read at every launch: A/B runs switch it between rounds) names another."""
+    value = os.environ.get("MINIMAX_OPS_COMBINE_BLOCK")
+    if value is None:
+        return COMBINE_BLOCK
+    block = int(value)
+    if block < 128 or block > 4096 or block & (block - 1):
+        raise ValueError(f"MINIMAX_OPS_COMBINE_BLOCK: expected a power of two in 128..4096, got {value!r}")
+    return block
 
 
 # One-token steps (the FMA path): per format, (w13, w2) rows and largest BLOCK_K (4 warps, 3 stages).
