@@ -344,7 +344,7 @@ def test_combine_block_switch(monkeypatch, device):
         outs.append(moe_experts(h, ids, weights, kw13, ks13, kw2, ks2, num_routed_experts=E))
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert outs[0].abs().max() > 0
-    for bad in ("96", "64", "8192"):
+    for bad in ("96", "64", "8192", "wide"):
         monkeypatch.setenv("MINIMAX_OPS_COMBINE_BLOCK", bad)
         with pytest.raises(ValueError, match="MINIMAX_OPS_COMBINE_BLOCK"):
             combine_block()

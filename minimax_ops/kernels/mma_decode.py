@@ -463,8 +463,8 @@ def block_stream(acc, acc2, w_rows, s_rows, x_rows, y_rows, kb_begin, n_steps, N
     (SKIP_PREFETCH: the caller already asked for the first PREFETCH steps, with ``prefetch_step``).
     PRELOADED: ``first`` holds step 0's weights (``first_blocks``, one stream), read by the caller
     before its PDL wait; the same for every pass over the token groups (the K range is the pass's).
-    PRELOADED 2 (RING 3): ``second`` holds step 1's too (``first_two_blocks``, read where n_steps > 1), so the ring is full at
-    the wait.
+    PRELOADED 2 (RING 3): ``second`` holds step 1's too (``first_two_blocks``, read where n_steps > 1), so
+    the ring is full at the wait.
     RING: load steps held in registers. 2: the next step's weights and x pairs are loaded while this
     one is multiplied; 3: the next two steps' weights, and each step's x pairs (L1 / L2 hits) only at
     its product, so the third step takes their registers (ExpertTiles.ring). EVICT_FIRST: the weight loads

@@ -41,7 +41,8 @@ from . import router
 from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import COMBINE_BLOCK, EXPERT_FORMATS, combine_block, TOKEN_BLOCK, ExpertTiles, expert_tiles, fit_chunks, num_sms
+from .tiles import (COMBINE_BLOCK, EXPERT_FORMATS, TOKEN_BLOCK, ExpertTiles, combine_block, expert_tiles, fit_chunks,
+                    num_sms)
 
 @triton.jit
 def _store_activation(acc, a_ptr, offs_m, col, chosen, offs_i, inter_e, stride_am, stride_acol, alpha, limit,

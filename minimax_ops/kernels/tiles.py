@@ -140,6 +140,8 @@ _EXPERT_TILES = {
 }
 _EXPERT_MIN_PROGRAMS = (1.0, 5.0)  # per SM, (w13, w2)
 _MIN_ITERS_PER_SPLIT = 4
+# The expert combine's columns a program: a one-token step's row over 24 programs, two columns a thread (fewer
+# loads a thread than 1024's eight; faster at every step size measured: BENCHMARKS.md, forty-fourth session).
 COMBINE_BLOCK = 256
 
 
@@ -149,7 +151,7 @@ def combine_block() -> int:
     value = os.environ.get("MINIMAX_OPS_COMBINE_BLOCK")
     if value is None:
         return COMBINE_BLOCK
-    block = int(value)
+    block = int(value) if value.strip().isdigit() else 0
     if block < 128 or block > 4096 or block & (block - 1):
         raise ValueError(f"MINIMAX_OPS_COMBINE_BLOCK: expected a power of two in 128..4096, got {value!r}")
     return block
