@@ -24,15 +24,22 @@ def preload_first(n_tokens: int) -> bool:
     return preloads(n_tokens) and os.environ.get("MINIMAX_OPS_NO_PRELOAD") != "1"
 
 
+def w2_two_steps(n_tokens: int, ring: int, pdl: bool, routed: bool) -> bool:
+    """The rule (no switch): an n-token w2 launch reads two weight steps before its PDL wait where it is the
+    fused layer's routed one-token w2 (a programmatic dependent that makes the router's top-k itself: the steps
+    then load under w13's tail) with tiles that hold three steps in registers (ring 3: the ring is full at the
+    wait, no spill; BENCHMARKS.md, forty-third session). The other ring-3 launches spill with two (AOT check).
+    The AOT specs follow it as is."""
+    return preloads(n_tokens) and pdl and routed and ring == 3
+
+
 def w2_preload_steps(n_tokens: int, ring: int, pdl: bool, routed: bool) -> int:
-    """The weight steps an n-token w2 launch reads before its PDL wait: ``preload_first``'s one, two where it is
-    the fused layer's routed one-token w2 (a programmatic dependent that makes the router's top-k itself: the
-    steps then load under w13's tail) with tiles that hold three steps in registers (ring 3: the ring is full at
-    the wait, no spill; BENCHMARKS.md, forty-third session), unless MINIMAX_OPS_W2_PRELOAD_STEPS=1 (read at every
-    call: A/B runs switch it between rounds). The other ring-3 launches spill with two (AOT check)."""
+    """The weight steps an n-token w2 launch reads before its PDL wait: ``preload_first``'s one, two where
+    ``w2_two_steps`` says so, unless MINIMAX_OPS_W2_PRELOAD_STEPS=1 (read at every call: A/B runs switch it
+    between rounds)."""
     if not preload_first(n_tokens):
         return 0
-    two = pdl and routed and ring == 3 and os.environ.get("MINIMAX_OPS_W2_PRELOAD_STEPS") != "1"
+    two = w2_two_steps(n_tokens, ring, pdl, routed) and os.environ.get("MINIMAX_OPS_W2_PRELOAD_STEPS") != "1"
     return 2 if two else 1
 
 

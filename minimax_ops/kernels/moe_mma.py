@@ -46,7 +46,7 @@ from .expert_slots import (build_slot_table, columns_of, columns_of_ids, routed_
 from .linear_mma import aot_norm_parts
 from .mma_decode import (TOKENS, block_stream, first_blocks, first_two_blocks, fold, fold_warps, fragment_index,
                          pair_sets, warp_parts, warp_rows)
-from .mma_launch import check_aligned, mma_operands, preloads, w2_preload_steps, weights_evict_first
+from .mma_launch import check_aligned, mma_operands, preloads, w2_preload_steps, w2_two_steps, weights_evict_first
 from .mx_decode import gdc_launch_dependents, gdc_wait, use_ptx
 from .norm import deferred_norm_args, rstd_of_parts, sumsq_parts
 from .splitk import last_arrival, split_counters, sum_splits
@@ -506,8 +506,8 @@ def aot_specs() -> list[KernelSpec]:
                 name=f"mma_w13_{label}{'_norm' if norm else ''}_d{t13.k_chunks}_s{split}{f'w{ws}' if ws > 1 else ''}"
                      f"{'_paired' if paired else ''}{'_table' if table else ''}",
                 max_registers=t13.max_registers))
-        # (the fused layer's routed ring-3 w2 also with two steps read before the wait: mma_launch.w2_preload_steps)
-        for steps in (int(preload), 2) if preload and ptx and pdl and route and t2.ring == 3 else (int(preload),):
+        # (the fused layer's routed ring-3 w2 also with two steps read before the wait; one where the switch says)
+        for steps in (int(preload), 2) if w2_two_steps(n_tokens, t2.ring, pdl, route) else (int(preload),):
             if (label, "w2", t2, steps, table) in seen:
                 continue
             seen.add((label, "w2", t2, steps, table))

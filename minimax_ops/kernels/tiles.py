@@ -141,7 +141,7 @@ _EXPERT_TILES = {
 _EXPERT_MIN_PROGRAMS = (1.0, 5.0)  # per SM, (w13, w2)
 _MIN_ITERS_PER_SPLIT = 4
 # The expert combine's columns a program: a one-token step's row over 24 programs, two columns a thread (fewer
-# loads a thread than 1024's eight; faster at every step size measured: BENCHMARKS.md, forty-fourth session).
+# loads a thread than 1024's eight; faster at one token: BENCHMARKS.md, forty-fourth session).
 COMBINE_BLOCK = 256
 
 
