@@ -1,8 +1,8 @@
 """A/B of fused-layer variants chosen by environment variables and tile knobs, in one process (H200, one real-size
-sparse MoE layer at TP 1, fp8 KV + index caches, as ``python -m minimax_ops bench`` builds it).
+sparse MoE layer at TP 1, or one rank's with --tp, fp8 KV + index caches, as ``python -m minimax_ops bench`` builds it).
 
     python benchmarks/ab_fused.py --variants "base;w2d2:W2=2/0/1/128;w13d4:W13=4/0/1/0/1" \
-        [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline] [--layers 1]
+        [--experts mxfp4,mxfp8] [--tokens 1,16] [--context 32768] [--rounds 3] [--timeline] [--layers 1] [--tp 1]
 
 Besides environment variables a variant may set the mxfp4_mma expert tiles of every step size
 (kernels/tiles.py): ``W13=depth/prefetch/split/cap/paired[/ring]`` and ``W2=depth/prefetch/split/cap[/ring]``
@@ -46,9 +46,10 @@ import statistics
 
 import torch
 
-from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain
+from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain, one_rank_group
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
+from minimax_ops.sharding import local_config
 from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
 from minimax_ops.timeline import kernel_timelines, stage_medians
 
@@ -231,17 +232,18 @@ def _compiled(kernels) -> dict:
         (k.__name__, k) for k in kernels)}
 
 
-def run_cases(experts: str, tokens: list[int], context: int, count: int, case) -> None:
+def run_cases(experts: str, tokens: list[int], context: int, count: int, case, tp: int = 1) -> None:
     """Calls case(format, tokens, layers, caches, step metadata, x, residual) for each format and step size, as
     the benchmark builds them: ``count`` real-size sparse MoE layers of each format (kernel layouts) on one
-    set of caches, one-token requests at ``context``. A format's layers are freed before the next is built
-    (nothing outside ``case`` holds them)."""
+    set of caches, one-token requests at ``context``; ``tp`` > 1: one rank of that degree, as bench --tp. A
+    format's layers are freed before the next is built (nothing outside ``case`` holds them)."""
     device = torch.device("cuda")
-    cfg = preset("real")
+    cfg = local_config(preset("real"), tp)
+    group_name = one_rank_group() if tp > 1 else ""
     caches, blocks = layer_caches(cfg, count, max(tokens), context, device)
     gen = torch.Generator().manual_seed(0)
     for fmt in experts.split(","):
-        layers = build_layers(cfg, fmt, count, "kernel", gen, device)
+        layers = build_layers(cfg, fmt, count, "kernel", gen, device, group_name)
         for n in tokens:
             meta = build_step([context - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
                               device=device, generator=gen)
@@ -270,6 +272,7 @@ def main() -> None:
     ap.add_argument("--occupancy", action="store_true")
     ap.add_argument("--layers", type=int, default=1,
                     help="time a graph of this many consecutive layers (as the benchmark's --layers); us per layer")
+    ap.add_argument("--tp", type=int, default=1, help="one rank of this tensor-parallel degree (as bench --tp)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     bw = copy_bandwidth(torch.device("cuda"))
@@ -316,7 +319,7 @@ def main() -> None:
                     print(f"  {name}, us each stage adds to a layer (median of replays x layers after the first): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
 
-    run_cases(args.experts, tokens, args.context, args.layers, case)
+    run_cases(args.experts, tokens, args.context, args.layers, case, args.tp)
 
 
 if __name__ == "__main__":

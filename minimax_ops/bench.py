@@ -1,7 +1,13 @@
-"""Benchmark of a real-size sparse MoE decode layer (TP 1): the fused op against the unfused path.
+"""Benchmark of a real-size sparse MoE decode layer: the fused op against the unfused path.
 
     python -m minimax_ops bench [--tokens 1,2,4,8,16] [--contexts 4096,32768,131072] [--layers 4]
-                                [--experts mxfp8,mxfp4] [--out BENCHMARKS.md] [--png bench.png]
+                                [--experts mxfp8,mxfp4] [--tp 1] [--out BENCHMARKS.md] [--png bench.png]
+
+``--tp N`` (default 1) times one rank of a tensor-parallel deployment on this one GPU: the rank's shapes
+(sharding.local_config: heads, kv heads and expert intermediates divided) and the layer's two all-reduces
+where a TP > 1 model places them, so that the fused op takes its TP > 1 form (no fold across an all-reduce).
+The all-reduces run over a one-rank NCCL group (no link traffic: a stand-in for the real collective, whose
+cost a deployment adds to both paths alike).
 
 Per (expert format, tokens, context) it times, from CUDA-graph replay, the fused op
 (``fused_decode_layer``) and the unfused chain of vocabulary ops, and the unfused chain run eagerly
@@ -38,6 +44,7 @@ from .cache import LayerCache, allocate_caches, build_step
 from .config import preset
 from .model import MiniMaxM3DecoderLayer
 from .ops.chain import SPARSE_WEIGHTS
+from .sharding import ShardingError, local_config
 from .weights import random_layer_weights, to_kernel_layout
 
 LAYER = 3  # the first sparse MoE layer of the real config
@@ -239,16 +246,30 @@ def layer_caches(cfg, count: int, max_tokens: int, max_context: int, device) -> 
     return caches[LAYER:], blocks
 
 
-def build_layers(cfg, fmt: str, count: int, layout: str, generator, device) -> list[MiniMaxM3DecoderLayer]:
+def build_layers(cfg, fmt: str, count: int, layout: str, generator, device,
+                 group_name: str = "") -> list[MiniMaxM3DecoderLayer]:
     """``count`` sparse MoE layers of random weights (the first drawn, the rest its copies: drawing and
     quantising a real-size expert table is slow, and what a chain needs is that no layer finds another's
-    weights in L2), indexed LAYER, LAYER + 1, ... (layer_index only labels checked-mode reports)."""
+    weights in L2), indexed LAYER, LAYER + 1, ... (layer_index only labels checked-mode reports);
+    ``group_name``: their all-reduce group ("" none: TP 1)."""
     weights = random_layer_weights(cfg, LAYER, linear_format="mxfp8", expert_format=fmt, generator=generator,
                                    device=device)
     if layout != "canonical":
         weights = to_kernel_layout(weights, tiled=layout == "tiled", mma=None if layout == "kernel" else False)
     copies = [weights] + [weights.map(torch.Tensor.clone) for _ in range(count - 1)]  # (same strides)
-    return [MiniMaxM3DecoderLayer(cfg, w, LAYER + i).to(device) for i, w in enumerate(copies)]
+    return [MiniMaxM3DecoderLayer(cfg, w, LAYER + i, group_name).to(device) for i, w in enumerate(copies)]
+
+
+def one_rank_group() -> str:
+    """The name of a one-rank NCCL process group (this process, WORLD), initialised here if need be: the
+    all-reduce group of ``--tp`` layers on one GPU."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"bench --tp: expected a one-rank group, this process is in {dist.get_world_size()}")
+    return dist.group.WORLD.group_name
 
 
 def stage_breakdown(layers, caches, meta) -> list[tuple[str, float, float, int]]:
@@ -312,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", default="mxfp4,mxfp8")
     ap.add_argument("--layers", type=int, default=LAYERS,
                     help="consecutive layers (distinct weights and caches) per timed graph; times are per layer")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="time one rank of this tensor-parallel degree: its shapes, and its two all-reduces over a "
+                         "one-rank group (default 1: the whole layer)")
     ap.add_argument("--compile", action="store_true", help="also time the unfused chain under torch.compile")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--png", default=None, help="plot %% of copy bandwidth against tokens here")
@@ -324,21 +348,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error("--layers: expected at least 1")
+    try:
+        cfg = local_config(preset("real"), args.tp)
+    except ShardingError as e:
+        ap.error(f"--tp: {e}")
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     tokens = [int(t) for t in args.tokens.split(",")]
     contexts = [int(t) for t in args.contexts.split(",")]
-    cfg = preset("real")
+    group_name = one_rank_group() if args.tp > 1 else ""
     bw = copy_bandwidth(device)
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s. {timing_note(args.layers)}",
-          flush=True)
+    note = f"{timing_note(args.layers)} {shapes_note(args.tp)}"
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s. {note}", flush=True)
     caches, blocks = layer_caches(cfg, args.layers, max(tokens), max(contexts), device)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for fmt in args.experts.split(","):
-        layers = build_layers(cfg, fmt, args.layers, args.layout, gen, device)
+        layers = build_layers(cfg, fmt, args.layers, args.layout, gen, device, group_name)
         for ctx in contexts:
             for n in tokens:
                 meta = build_step([ctx - 1] * n, 1, block_size=cfg.sparse_block_size, num_blocks=blocks,
@@ -370,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Benchmarks\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch "
-                    f"{torch.__version__}, triton {_triton_version()}. {timing_note(args.layers)}\n\n"
+                    f"{torch.__version__}, triton {_triton_version()}. {note}\n\n"
                     f"Command: `python -m minimax_ops bench {' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
     if args.png:
         plot(rows, args.png, args.layers)
@@ -385,6 +413,16 @@ def timing_note(layers: int) -> str:
     return (f"Times are per layer inside a CUDA graph of {layers} consecutive sparse MoE layers (distinct weights "
             "and caches, each layer fed the previous one's output, as a model step runs them); the last two "
             "columns are a graph of the one layer alone (what earlier runs reported).")
+
+
+def shapes_note(tp: int) -> str:
+    """What the table's layer is, for its header."""
+    if tp == 1:
+        return "One whole layer (TP 1)."
+    c = local_config(preset("real"), tp)
+    return (f"One rank of TP {tp}: its shapes ({c.num_attention_heads} q heads, {c.num_key_value_heads} kv head(s), "
+            f"expert intermediate {c.intermediate_size}) and its two all-reduces over a one-rank NCCL group (no "
+            f"link traffic; the real collective adds the same to both paths).")
 
 
 def _triton_version() -> str:
