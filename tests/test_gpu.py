@@ -12,6 +12,7 @@ from minimax_ops.config import preset
 from minimax_ops.model import MiniMaxM3DecoderLayer, MiniMaxM3ForCausalLM
 from minimax_ops.ops import fused as fused_ops
 from minimax_ops.reference_model import layer_forward, model_forward
+from minimax_ops.sharding import local_config
 from minimax_ops.weights import model_to_kernel_layout, random_layer_weights, random_model_weights, to_kernel_layout
 from graph_text import compile_model, uncached_compiles
 from utils import rel_err
@@ -50,9 +51,11 @@ CASES = [  # (config name, layer, linear fmt, expert fmt, shared, kv dtype, inde
 LAYOUTS = {"canonical": lambda w: w, "kernel": to_kernel_layout, "tiled": lambda w: to_kernel_layout(w, tiled=True)}
 
 
-def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, contexts, query_len, seed, pad_requests=1):
-    """w: canonical weights (the reference's); the layer holds them in ``layout`` (LAYOUTS)."""
-    cfg = preset("tiny") if name == "tiny" else _real_small_layers()
+def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, contexts, query_len, seed, pad_requests=1,
+           tp=1, group_name=""):
+    """w: canonical weights (the reference's); the layer holds them in ``layout`` (LAYOUTS). tp: one rank's
+    shapes of that tensor-parallel degree, its all-reduces over ``group_name``."""
+    cfg = local_config(preset("tiny") if name == "tiny" else _real_small_layers(), tp)
     g = torch.Generator().manual_seed(seed)
     w = random_layer_weights(cfg, layer_idx, linear_format=lin, expert_format=exp, shared=shared, generator=g,
                              device="cuda")
@@ -64,7 +67,7 @@ def _setup(name, layer_idx, lin, exp, shared, kv_dtype, index_dtype, layout, con
     n = meta.num_tokens
     x = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
     res = torch.randn(n, cfg.hidden_size, generator=g).to(BF16).cuda()
-    layer = MiniMaxM3DecoderLayer(cfg, LAYOUTS[layout](w), layer_idx).cuda()
+    layer = MiniMaxM3DecoderLayer(cfg, LAYOUTS[layout](w), layer_idx, group_name).cuda()
     return cfg, w, layer, caches[layer_idx], meta, x, res, blocks, g
 
 
@@ -253,6 +256,45 @@ def test_one_token_step_against_its_switch(switch, experts, monkeypatch):
         mismatches += int(not torch.equal(out, first))
     torch.cuda.synchronize()
     assert mismatches == 0 and rel(first, want) < 2e-2
+
+
+@pytest.fixture
+def one_rank_nccl():
+    """A one-rank NCCL group (this process): its all-reduces sum one partial, on the GPU, capturable."""
+    import torch.distributed as dist
+    assert not dist.is_initialized(), "a process group is already set up in this process"
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
+def test_tensor_parallel_rank_keeps_its_sums_in_fp32(experts, one_rank_nccl, monkeypatch):
+    """One rank of TP 4 at the real shapes (16 q heads, 1 kv head, expert intermediate 768), its all-reduces
+    over a one-rank NCCL group: the fused layer, which keeps the first sum in fp32 for its post norm kernel
+    (MINIMAX_OPS_FP32_SUMS=1, the default), matches the reference, gives the bits of minimax.all_reduce's bf16
+    between the halves (=0), and a captured graph (the all-reduces in it) replays to the same bits."""
+    cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
+                                                    contexts=[4000, 33000], query_len=1, seed=13, tp=4,
+                                                    group_name=one_rank_nccl)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (16, 1, 768)
+    want, want_res = layer_forward(x, res, w, cache.clone(), meta, cfg)
+    (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_FP32_SUMS", layer,
+                                                                     cache, meta, x, res)
+    real = meta.num_tokens - 1
+    assert rel(out1[:real], want[:real]) < 2e-2 and rel(res1[:real], want_res[:real]) < 1e-2
+    assert same_bytes(out0, out1) and same_bytes(res0, res1)
+    assert same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
+    written = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_res = layer.fused_forward(x, res, meta.positions, written, meta)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bytes(out, out1) and same_bytes(out_res, res1) and same_bytes(written.kv, cache1.kv)
 
 
 def test_thousand_replays_are_bit_identical():

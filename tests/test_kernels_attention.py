@@ -132,6 +132,30 @@ def test_add_rmsnorm(hidden, w_dtype):
     assert_within_ulp(norm.rmsnorm(x, weight, EPS), ref.gemma_rmsnorm(x, weight, EPS), torch.bfloat16, "rmsnorm")
 
 
+@pytest.mark.parametrize("hidden", [96, 6144])
+def test_add_rmsnorm_takes_an_fp32_sum_with_the_bits_of_its_bf16_cast(hidden):
+    """x fp32 (a tensor-parallel fused layer's all-reduce sum) gives the bits x.to(torch.bfloat16) gives: the
+    kernel rounds to nearest, ties to even, as torch's cast does (interpreted too, where a plain cast
+    truncates). x sits between bf16 neighbours: exact ties, just above and below them, elsewhere; rows of
+    unit, tiny and large magnitude. Row 0's residual is zero on purpose: its residual_out is the rounded x."""
+    gen = torch.Generator().manual_seed(hidden + 1)
+    scales = torch.tensor([1.0, 3e-20, 7e18]).view(3, 1)
+    below = (torch.randn(3, hidden, generator=gen) * scales).to(torch.bfloat16).float()  # bf16 values
+    offsets = torch.tensor([0x8000, 0x8001, 0x7FFF, 0x1234, 0xC000], dtype=torch.int32)
+    x = (below.view(torch.int32) + offsets[torch.randint(0, 5, (3, hidden), generator=gen)]).view(torch.float32)
+    x = x.to(DEVICE)
+    residual = randn(3, hidden, gen=gen, scale=4.0)
+    residual[0] = 0.0
+    weight = (torch.randn(hidden, generator=gen) * 0.3).bfloat16().to(DEVICE)
+    h, res_out = norm.add_rmsnorm(x, residual, weight, EPS)
+    h_cast, res_cast = norm.add_rmsnorm(x.to(torch.bfloat16), residual, weight, EPS)
+    assert h.dtype == res_out.dtype == torch.bfloat16
+    assert torch.equal(res_out[0], x[0].to(torch.bfloat16)), "x rounded otherwise than torch's cast"
+    assert torch.equal(res_out, res_cast) and torch.equal(h, h_cast)
+    with pytest.raises(ValueError, match="x: expected dtype torch.bfloat16 or torch.float32, got torch.float16"):
+        norm.add_rmsnorm(x.half(), residual, weight, EPS)
+
+
 def test_the_fused_layers_input_norm_lets_its_dependent_launch_first(monkeypatch):
     """The fused layer's input norm lets the qkv GEMV launch before its own PDL wait (decode_layer's
     ``input_add_rmsnorm``), its other norms do not, MINIMAX_OPS_NORM_LAUNCH_FIRST=0 turns it off; the values

@@ -17,6 +17,15 @@ from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
 @triton.jit
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even, NaN kept), as fp32: what torch's cast to bf16 gives,
+    made with integer ops so that the interpreter (whose fp32 -> bf16 cast truncates) gives it too."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
@@ -34,6 +43,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
             gdc_wait()
             gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if x_ptr.dtype.element_ty == tl.float32:  # an fp32 all-reduce sum: first the bf16 the vocabulary's would give
+        x = round_to_bf16(x)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         summed = (x + r).to(res_out_ptr.dtype.element_ty)
@@ -50,12 +61,14 @@ def _num_warps(block_h: int) -> int:
 
 
 def check_rows(name: str, t: torch.Tensor, width: int | None = None, *, shape: str = "[tokens, hidden]",
-               dim: str = "hidden") -> None:
-    """A bf16 2-D activation whose last dimension is contiguous (shared by the kernel wrappers)."""
+               dim: str = "hidden", dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    """A 2-D activation (bf16 unless ``dtypes`` says otherwise) whose last dimension is contiguous (shared by
+    the kernel wrappers)."""
     if t.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D {shape} tensor, got shape {tuple(t.shape)}")
-    if t.dtype != torch.bfloat16:
-        raise ValueError(f"{name}: expected dtype torch.bfloat16, got {t.dtype}")
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: expected dtype {expected}, got {t.dtype}")
     if t.stride(1) != 1:
         raise ValueError(f"{name}: the {dim} dimension must be contiguous, got strides {tuple(t.stride())}")
     if width is not None and t.shape[1] != width:
@@ -101,18 +114,20 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float, *, pdl: bool = False, launch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
-    x, residual: bf16 [n, H]; weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
+    x, residual: bf16 [n, H]; x may be fp32 too (a tensor-parallel all-reduce's sum, which the fused layer
+    keeps fp32: it is rounded to bf16 first, as minimax.all_reduce rounds it, so h and residual_out have the
+    bits they would have after that op); weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
     ``launch_first`` (with ``pdl``): the next kernel launches before this one waits for the previous one,
     for a next kernel that reads nothing but weights before its own wait (which then covers both).
     """
-    check_rows("x", x)
+    check_rows("x", x, dtypes=(torch.bfloat16, torch.float32))
     n, hidden = x.shape
     check_rows("residual", residual, hidden)
     if residual.shape[0] != n:
         raise ValueError(f"residual: expected {n} rows like x, got {residual.shape[0]}")
     check_norm_weight(weight, hidden)
-    h = torch.empty_like(x)
-    res_out = torch.empty_like(x)
+    h = torch.empty_like(residual)
+    res_out = torch.empty_like(residual)
     if n == 0:
         return h, res_out
     block_h = triton.next_power_of_2(hidden)
@@ -143,16 +158,19 @@ def aot_specs() -> list[KernelSpec]:
     specs = []
     for hidden in (64, 6144):  # tiny and real hidden sizes
         block_h = triton.next_power_of_2(hidden)
-        for w_type in ("*bf16", "*fp32"):
-            for has_res in (True, False):
-                specs.append(KernelSpec(
-                    _rmsnorm_kernel,
-                    {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
-                     "res_out_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
-                     "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
-                    {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False}, num_warps=_num_warps(block_h),
-                    name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"))
+        # x fp32: the post norm of a tensor-parallel fused layer, on the all-reduce's fp32 sum.
+        for w_type, has_res, x_type in (("*bf16", True, "*bf16"), ("*bf16", False, "*bf16"), ("*fp32", True, "*bf16"),
+                                        ("*fp32", False, "*bf16"), ("*bf16", True, "*fp32"), ("*fp32", True, "*fp32")):
+            specs.append(KernelSpec(
+                _rmsnorm_kernel,
+                {"x_ptr": x_type, "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
+                 "res_out_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
+                 "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
+                {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False}, num_warps=_num_warps(block_h),
+                name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"
+                     f"{'_x_fp32' if x_type == '*fp32' else ''}"))
     specs = with_pdl_variants(specs)
     # The fused layer's input norm letting its dependent launch first (CUDA, PDL).
     return specs + [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
-                    for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"]]
+                    for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"]
+                    and s.signature["x_ptr"] == "*bf16"]

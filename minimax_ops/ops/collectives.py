@@ -56,6 +56,18 @@ def reduce_sum(x: Tensor, group_name: str) -> Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def reduce_sum_(x: Tensor, group_name: str) -> Tensor:
+    """reduce_sum of an fp32 partial sum the caller made and drops after the call (the fused layer's o_proj and
+    FFN outputs): summed in place where the backend can (torch's functional all_reduce_: no copy of x first);
+    vLLM's communicator returns a new tensor. No-op for ""."""
+    if not group_name:
+        return x
+    check(x.dtype == torch.float32, f"x: expected an fp32 partial sum, got {x.dtype}")
+    if group_name == VLLM_TP_GROUP:
+        return _vllm_tp_group().all_reduce(x)
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(x, "sum", group_name))
+
+
 def _check_all_reduce(x: Tensor, group_name: str) -> None:
     check(x.dim() == 2, f"x: expected [tokens, hidden], got shape {tuple(x.shape)}")
     check(x.dtype in (torch.float32, torch.bfloat16),

@@ -25,9 +25,10 @@ On kernels without tensor parallelism the sparse attention half may return a cha
 for o_unreduced (o_proj not yet run), which the sparse FFN half projects itself (chain.py).
 ``w``: the layer's weights by SPARSE_WEIGHTS / DENSE_WEIGHTS name; ``c``: chain.SparseConsts /
 DenseConsts. The attention half writes the caches (k/v at slot_mapping, index_k at
-index_slot_mapping; slot < 0 writes nothing). Outputs are [n, hidden]: residual and o_reduced bf16;
-o_unreduced and out_unreduced bf16, or fp32 partial sums when ``c.partial`` (tensor parallelism:
-fp32 keeps TP results equal to TP 1, as chain.py says). Defaults: the
+index_slot_mapping; slot < 0 writes nothing). Outputs are [n, hidden]: residual and o_reduced bf16
+(o_reduced fp32 for a hook's FFN half on the stage kernels under tensor parallelism: chain.run_layer's
+``fp32_sums``); o_unreduced and out_unreduced bf16, or fp32 partial sums when ``c.partial`` (tensor
+parallelism: fp32 keeps TP results equal to TP 1, as chain.py says). Defaults: the
 vocabulary stages of chain.py, launched back to back inside this one op (one dispatch, one node
 for CUDA graphs), which on CPU run the reference, so all paths agree by construction there.
 
@@ -44,6 +45,8 @@ labels checked-mode reports.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -76,6 +79,13 @@ def _on_kernels(half):
         from ..kernels.decode_layer import kernel_stages
         return half(*args, ops=kernel_stages())
     return run
+
+
+def fp32_between_halves() -> bool:
+    """Whether a tensor-parallel fused layer on the stage kernels keeps its all-reduces' sums in fp32 for its
+    own kernels (chain.run_layer's ``fp32_sums``): yes, unless MINIMAX_OPS_FP32_SUMS=0 (read at every call:
+    A/B runs switch it; the bits are the same either way)."""
+    return os.environ.get("MINIMAX_OPS_FP32_SUMS") != "0"
 
 
 SPARSE_ATTENTION_IMPL = _on_kernels(chain.sparse_attention)
@@ -194,14 +204,14 @@ def _layer(kind: str, args: tuple) -> tuple[Tensor, Tensor]:
     _check_late_weights(step[0], w, c.num_heads, c.head_dim, *((c.top_k, c.num_routed_experts)
                                                               if kind == "sparse" else ()))
 
-    def run(halves, cs):
-        return chain.run_layer(*halves, (*step, *cs), w, c, group_name)
+    def run(halves, cs, fp32_sums=False):
+        return chain.run_layer(*halves, (*step, *cs), w, c, group_name, fp32_sums)
 
     def unfused(cs):  # looked up at call time, so tests can spy on the chain
         return run([getattr(chain, name) for name in defaults], cs)
 
-    def fused(cs):
-        return run([globals()[name] for name in hooks], cs)
+    def fused(cs):  # (the hooks' FFN half runs on the stage kernels where use_kernels: it takes fp32 sums)
+        return run([globals()[name] for name in hooks], cs, fp32_sums=use_kernels(step[1]) and fp32_between_halves())
 
     if fallback:
         return unfused(caches)
