@@ -9,7 +9,6 @@ own). It may be called several times per process: everything here is idempotent.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 
@@ -76,8 +75,11 @@ def register_c_stand_ins() -> list[str]:
 
     if current_platform.is_cuda_alike():
         return []
-    try:  # a platform build that ships vllm._C (e.g. vLLM's CPU build) defines the real ops: load them first
-        importlib.import_module("vllm._C")
+    # A platform build that ships vllm._C (e.g. vLLM's CPU build) defines the real ops: load them first, the
+    # platform's way (the CPU build picks its AVX2 or AVX-512 library; importing vllm._C itself runs AVX-512
+    # code, which kills the process on a CPU without it).
+    try:
+        current_platform.import_kernels()
     except (ImportError, OSError):  # not built for this platform, or its shared libraries are missing
         pass
     added = []
