@@ -511,3 +511,26 @@ def test_slot_table_lists_each_experts_tokens_in_order(n, experts, top_k, device
         want[slot, 2:2 + len(pairs)] = torch.tensor([t for t, _ in pairs])
         want[slot, 2 + n:2 + n + len(pairs)] = torch.tensor([k for _, k in pairs])
     assert torch.equal(table, want)
+
+
+@pytest.mark.parametrize("inter,fills", [(3072, False), (1536, False), (768, True), (384, True)])
+def test_one_token_w13_fills_the_sms_at_a_tensor_parallel_ranks_intermediate(inter, fills):
+    """tiles.expert_tiles: a one-token mma-layout w13 launch that would leave SMs without a program (4 routed
+    slots + the shared expert at a TP 4 / TP 8 rank's intermediate, 768 / 384, on 132 SMs) splits H by every
+    warp of a program (one row block a program: twice the programs); TP 1 / TP 2 ranks keep the table's tiles,
+    and so do 16-token steps and w2."""
+    from minimax_ops.formats import MMA_CODES
+    from minimax_ops.kernels.tiles import expert_tiles
+    for code in MMA_CODES:
+        t = expert_tiles(code, 6144, 2 * inter, 5, True, 132, n_tokens=1, routed=True)
+        plain = mma_expert_tiles(6144, True, fp8=code == MMA_CODES[1], one_token=True, routed=True)
+        programs = 5 * (2 * inter // 32 // t.row_blocks) * t.split
+        if fills:
+            assert (t.split, t.warp_split, t.row_blocks) == (1, t.num_warps, 1) and t != plain
+            assert programs == 2 * 5 * (2 * inter // 32 // plain.row_blocks)
+        else:
+            assert t == plain and programs >= 132
+        assert expert_tiles(code, 6144, 2 * inter, 5, True, 132, n_tokens=16) == mma_expert_tiles(
+            6144, True, fp8=code == MMA_CODES[1])
+        assert expert_tiles(code, inter, 6144, 5, False, 132, n_tokens=1, routed=True) == mma_expert_tiles(
+            inter, False, fp8=code == MMA_CODES[1], one_token=True, routed=True)

@@ -489,8 +489,11 @@ def aot_specs() -> list[KernelSpec]:
                  f"{'' if compact else '_fixed'}{'_two' if two else ''}{'_route' if route else ''}")
         tag = f"{'_preload' if preload else ''}{'_table' if table else ''}"
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
-        # and unpaired also two grid splits
-        forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
+        # unpaired also two grid splits, and one-token steps also the tiles' fill (a warp a K part: the
+        # intermediates of a tensor-parallel rank, tiles.expert_tiles)
+        fill = mma_expert_tiles(hidden, True, fp8=fp8, one_token=True, routed=route, fill=True)
+        forms = ({(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
+                 | ({(fill.split, fill.warp_split)} if n_tokens == 1 and ptx else set()))
         norm_args = dict(NORM=True, BLOCK_P=triton.next_power_of_2(aot_norm_parts())) if norm else {}
         for split, ws in sorted(forms):
             if (label, "w13", t13, split, ws, table, norm) in seen or (norm and not ptx

@@ -167,9 +167,14 @@ def expert_tiles(fmt: int, k: int, rows_total: int, slots: int, w13: bool, sms: 
     """Tiles of one expert launch over `slots` experts of `rows_total` weight rows (w13: 2I) and
     K = k: the format's tile, K split until the launch has _EXPERT_MIN_PROGRAMS programs per SM.
     A one-token step takes the FMA path's tiles; mma-layout tables take ``mma_expert_tiles`` (``routed``
-    as there)."""
+    as there), with ``fill`` for a one-token w13 whose launch would leave some of the ``sms`` without a program
+    (a tensor-parallel rank's intermediate: 120 programs at TP 4 where TP 1 has 480; BENCHMARKS.md)."""
     if fmt in MMA_CODES:
-        return mma_expert_tiles(k, w13, can_split, fp8=fmt == FMT_MXFP8_MMA, one_token=n_tokens == 1, routed=routed)
+        fp8, one_token = fmt == FMT_MXFP8_MMA, n_tokens == 1
+        t = mma_expert_tiles(k, w13, can_split, fp8=fp8, one_token=one_token, routed=routed)
+        if w13 and one_token and can_split and slots * -(-rows_total // (32 * t.row_blocks)) * t.split < sms:
+            t = mma_expert_tiles(k, w13, can_split, fp8=fp8, one_token=one_token, routed=routed, fill=True)
+        return t
     rows, cap_k, warps, stages, chunks = _EXPERT_TILES[fmt][0 if w13 else 1]
     fma = n_tokens == 1 and FMA_ENABLED
     if fma:
@@ -273,16 +278,20 @@ def mma_linear_tiles(n: int, k: int, sms: int, fp8: bool, warp_split: bool = Tru
 
 @functools.lru_cache(maxsize=None)
 def mma_expert_tiles(k: int, w13: bool, can_split: bool = True, fp8: bool = False,
-                     one_token: bool = False, routed: bool = False) -> ExpertTiles:
+                     one_token: bool = False, routed: bool = False, fill: bool = False) -> ExpertTiles:
     """Tiles of an mma-layout expert launch (_MMA_EXPERT_TILES: by format and whether the step has
     one token), as ExpertTiles: block_n 16 rows (w13: 16 gate + 16 up rows) per warp, num_warps warps
     per program, k_chunks 64-value blocks per load step (shrunk to divide each split's blocks; per
     matrix of a w13 streaming gate and up together: ``paired``), num_stages 1 + the L2 prefetch
     distance, ring the load steps held in registers (a table entry's optional sixth field, else 2);
     w13's K splits made by the program's warps where they can (``split_in_warps``), w2's by the grid;
-    ``routed``: the one-token kernels that make the router's top-k themselves (_ROUTED_W2_RING)."""
+    ``routed``: the one-token kernels that make the router's top-k themselves (_ROUTED_W2_RING); ``fill``: a w13
+    launch that would leave SMs without a program (``expert_tiles`` asks) splits K at least in as many parts
+    as a program has warps (one row block a program: the intermediates of a tensor-parallel rank)."""
     w13_tiles, w2_tiles, paired = _MMA_EXPERT_TILES[(fp8, one_token)]
     warps, depth, prefetch, split, max_registers, *ring = w13_tiles if w13 else w2_tiles
+    if fill and w13:
+        split = max(split, warps)
     if routed and one_token and not w13 and fp8 in _ROUTED_W2_RING:
         ring = [_ROUTED_W2_RING[fp8]]
     split = split if can_split else 1
