@@ -49,8 +49,8 @@ import torch
 from minimax_ops.bench import _time, build_layers, chain_bytes, copy_bandwidth, layer_caches, layer_chain, one_rank_group
 from minimax_ops.cache import build_step
 from minimax_ops.config import preset
-from minimax_ops.sharding import local_config
 from minimax_ops.kernels import attention, index_topk, linear_mma, moe_mma, qkv_mma, router, tiles
+from minimax_ops.sharding import local_config
 from minimax_ops.timeline import kernel_timelines, stage_medians
 
 import kernel_attributes  # (benchmarks/ is on the path of a script run from it)

@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(t) for t in args.contexts.split(",")]
     group_name = one_rank_group() if args.tp > 1 else ""
     bw = copy_bandwidth(device)
-    note = f"{timing_note(args.layers)} {shapes_note(args.tp)}"
+    note = f"{timing_note(args.layers)} {shapes_note(cfg, args.tp)}"
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s. {note}", flush=True)
     caches, blocks = layer_caches(cfg, args.layers, max(tokens), max(contexts), device)
     rows = []
@@ -415,11 +415,10 @@ def timing_note(layers: int) -> str:
             "columns are a graph of the one layer alone (what earlier runs reported).")
 
 
-def shapes_note(tp: int) -> str:
-    """What the table's layer is, for its header."""
+def shapes_note(c, tp: int) -> str:
+    """What the table's layer is (``c``: the rank's config, tensor-parallel degree ``tp``), for its header."""
     if tp == 1:
         return "One whole layer (TP 1)."
-    c = local_config(preset("real"), tp)
     return (f"One rank of TP {tp}: its shapes ({c.num_attention_heads} q heads, {c.num_key_value_heads} kv head(s), "
             f"expert intermediate {c.intermediate_size}) and its two all-reduces over a one-rank NCCL group (no "
             f"link traffic; the real collective adds the same to both paths).")

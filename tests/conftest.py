@@ -118,3 +118,20 @@ def minimax_log(caplog):
 
 def minimax_reasons(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "minimax_ops"]
+
+
+@pytest.fixture
+def one_rank_group():
+    """The name of a one-rank process group of this process (NCCL on a GPU, capturable; gloo on the CPU): its
+    all-reduces sum one partial, so a tensor-parallel layer's results are its TP 1 results."""
+    import torch.distributed as dist
+    assert not dist.is_initialized(), "a process group is already set up in this process"
+    if torch.cuda.is_available():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

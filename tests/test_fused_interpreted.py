@@ -75,18 +75,6 @@ def test_fused_layer_runs_the_kernels_and_matches_the_reference(monkeypatch, lay
     assert written < (6e-2 if kv_dtype == torch.float8_e4m3fn else 1e-2)
 
 
-@pytest.fixture
-def one_rank_group():
-    """A one-rank gloo group (this process): its all-reduce sums one partial, so results are TP 1's."""
-    import torch.distributed as dist
-    assert not dist.is_initialized(), "a process group is already set up in this process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("layer_idx,fmts,kv_dtype", [(1, ("mxfp8", "mxfp4"), torch.float8_e4m3fn),
                                                      (0, ("bf16", "bf16"), torch.bfloat16)])
 def test_tensor_parallel_fused_layer_hands_its_post_norm_the_fp32_sum(monkeypatch, one_rank_group, layer_idx, fmts,

@@ -258,28 +258,15 @@ def test_one_token_step_against_its_switch(switch, experts, monkeypatch):
     assert mismatches == 0 and rel(first, want) < 2e-2
 
 
-@pytest.fixture
-def one_rank_nccl():
-    """A one-rank NCCL group (this process): its all-reduces sum one partial, on the GPU, capturable."""
-    import torch.distributed as dist
-    assert not dist.is_initialized(), "a process group is already set up in this process"
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])
-def test_tensor_parallel_rank_keeps_its_sums_in_fp32(experts, one_rank_nccl, monkeypatch):
+def test_tensor_parallel_rank_keeps_its_sums_in_fp32(experts, one_rank_group, monkeypatch):
     """One rank of TP 4 at the real shapes (16 q heads, 1 kv head, expert intermediate 768), its all-reduces
     over a one-rank NCCL group: the fused layer, which keeps the first sum in fp32 for its post norm kernel
     (MINIMAX_OPS_FP32_SUMS=1, the default), matches the reference, gives the bits of minimax.all_reduce's bf16
     between the halves (=0), and a captured graph (the all-reduces in it) replays to the same bits."""
     cfg, w, layer, cache, meta, x, res, *_ = _setup("real", 3, "mxfp8", experts, "separate", FP8, FP8, "kernel",
                                                     contexts=[4000, 33000], query_len=1, seed=13, tp=4,
-                                                    group_name=one_rank_nccl)
+                                                    group_name=one_rank_group)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (16, 1, 768)
     want, want_res = layer_forward(x, res, w, cache.clone(), meta, cfg)
     (out0, res0, cache0), (out1, res1, cache1) = _fused_under_switch(monkeypatch, "MINIMAX_OPS_FP32_SUMS", layer,

@@ -491,9 +491,10 @@ def aot_specs() -> list[KernelSpec]:
         # (grid splits, warp splits): the tiles', the same K parts all by the grid (tiles.WARP_SPLIT off),
         # unpaired also two grid splits, and one-token steps also the tiles' fill (a warp a K part: the
         # intermediates of a tensor-parallel rank, tiles.expert_tiles)
-        fill = mma_expert_tiles(hidden, True, fp8=fp8, one_token=True, routed=route, fill=True)
-        forms = ({(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
-                 | ({(fill.split, fill.warp_split)} if n_tokens == 1 and ptx else set()))
+        forms = {(t13.split, t13.warp_split), (t13.split * t13.warp_split, 1)} | (set() if paired else {(2, 1)})
+        if n_tokens == 1 and ptx:
+            fill = mma_expert_tiles(hidden, True, fp8=fp8, one_token=True, routed=route, fill=True)
+            forms.add((fill.split, fill.warp_split))
         norm_args = dict(NORM=True, BLOCK_P=triton.next_power_of_2(aot_norm_parts())) if norm else {}
         for split, ws in sorted(forms):
             if (label, "w13", t13, split, ws, table, norm) in seen or (norm and not ptx
