@@ -39,9 +39,11 @@ def transformers_state_dict(tensors: dict[str, torch.Tensor], config: MiniMaxM3C
     return out
 
 
-def transformers_greedy(tensors: dict[str, torch.Tensor], config: MiniMaxM3Config, text_config: dict,
-                        prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of transformers' MiniMaxM3VLForCausalLM (bf16) for one prompt."""
+def transformers_steps(tensors: dict[str, torch.Tensor], config: MiniMaxM3Config, text_config: dict,
+                       prompt: list[int], tokens: list[int]):
+    """transformers' MiniMaxM3VLForCausalLM (bf16) decoding ``tokens`` after ``prompt`` as its greedy search
+    does (a prefill, then one-token steps on its KV cache), fed ``tokens`` (teacher forcing): yields its
+    logits at each step (bf16, as its lm_head gives them)."""
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
@@ -54,6 +56,7 @@ def transformers_greedy(tensors: dict[str, torch.Tensor], config: MiniMaxM3Confi
         raise AssertionError(f"transformers' model: missing {missing}, unexpected {unexpected}")
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                             min_new_tokens=max_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for token in tokens:
+            yield out.logits[0, -1]
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)

@@ -54,15 +54,13 @@ def write_checkpoint(path: Path, config: MiniMaxM3Config = TINY, seed: int = 0, 
     return weights
 
 
-def reference_greedy(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of the project's pure-PyTorch reference model: one prefill, then one-token steps."""
-    return reference_greedy_margin(weights, config, prompt, max_tokens)[0]
+# How far bf16 activations move a logit between implementations (and between CPUs' kernels: ~1e-2).
+LOGIT_NOISE = 0.05
 
 
-def reference_greedy_margin(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int],
-                            max_tokens: int) -> tuple[list[int], float]:
-    """(greedy tokens, the smallest gap between the best and second-best logit over the steps): a
-    gap within bf16 noise makes the greedy choice itself a coin toss between implementations."""
+def _reference_steps(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int], max_tokens: int, choose):
+    """The project's pure-PyTorch reference model decoding after ``prompt`` (one prefill, then one-token
+    steps): yields each step's last-position logits; ``choose(step, logits)`` gives the token fed next."""
     from minimax_ops.cache import allocate_caches, build_step
     from minimax_ops.reference_model import model_forward
 
@@ -70,23 +68,56 @@ def reference_greedy_margin(weights: ModelWeights, config: MiniMaxM3Config, prom
     num_blocks = -(-(len(prompt) + max_tokens) // bs)
     caches = allocate_caches(config, num_blocks, fill="zeros")
     ids = [list(range(num_blocks))]
-    out, context, step, margin = [], 0, list(prompt), float("inf")
-    for _ in range(max_tokens):
+    context, step = 0, list(prompt)
+    for i in range(max_tokens):
         meta = build_step([context], [len(step)], block_size=bs, num_blocks=num_blocks, block_ids=ids,
                           table_width=num_blocks)
-        logits = model_forward(torch.tensor(step), weights, caches, meta, config)
-        top = logits[-1].topk(2).values
-        margin = min(margin, float(top[0] - top[1]))
-        out.append(int(logits[-1].argmax()))
+        logits = model_forward(torch.tensor(step), weights, caches, meta, config)[-1]
+        yield logits
         context += len(step)
-        step = out[-1:]
+        step = [choose(i, logits)]
+
+
+def reference_greedy_margin(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int],
+                            max_tokens: int) -> tuple[list[int], float]:
+    """(greedy tokens, the smallest gap between the best and second-best logit over the steps): a
+    gap within bf16 noise makes the greedy choice itself a coin toss between implementations."""
+    out, margin = [], float("inf")
+    for logits in _reference_steps(weights, config, prompt, max_tokens, lambda _, logits: int(logits.argmax())):
+        top = logits.topk(2).values
+        margin = min(margin, float(top[0] - top[1]))
+        out.append(int(logits.argmax()))
     return out, margin
 
 
+def assert_greedy(prompt: list[int], tokens: list[int], step_logits, source: str, noise: float = LOGIT_NOISE) -> None:
+    """Every one of ``tokens`` (an implementation's greedy output after ``prompt``) is ``source``'s greedy
+    choice given the tokens before it, or short of its best logit by at most ``noise``: a near-tie (or,
+    in bf16 logits, a tie) that rounding may tip either way. ``step_logits`` yields ``source``'s logits at
+    each step as it follows ``tokens`` (teacher forcing), so each step is checked after a tipped tie too;
+    where its top two are further apart than ``noise``, only its own choice passes."""
+    steps = 0
+    for i, logits in enumerate(step_logits):
+        logits = logits.float()
+        best = int(logits.argmax())
+        short = float(logits[best] - logits[tokens[i]])
+        assert short <= noise, (f"prompt of {len(prompt)} tokens, step {i}: token {tokens[i]}'s logit is {short:.4f} "
+                                f"below {source}'s choice {best} (noise allowed: {noise}); tokens {tokens}")
+        steps += 1
+    assert steps == len(tokens), f"{source} gave logits for {steps} of {len(tokens)} steps"
+
+
+def assert_reference_greedy(weights: ModelWeights, config: MiniMaxM3Config, prompt: list[int], tokens: list[int],
+                            noise: float = LOGIT_NOISE) -> None:
+    """assert_greedy against the project's reference model."""
+    steps = _reference_steps(weights, config, prompt, len(tokens), lambda i, _: tokens[i])
+    assert_greedy(prompt, tokens, steps, "the reference", noise)
+
+
 def decisive_prompts(weights: ModelWeights, config: MiniMaxM3Config, lens, max_tokens: int, seed: int,
-                     min_margin: float = 0.05) -> list[tuple[list[int], list[int]]]:
+                     min_margin: float = LOGIT_NOISE) -> list[tuple[list[int], list[int]]]:
     """(prompt, reference tokens) per length, drawing prompts until every greedy step's top-2 logit gap
-    is at least min_margin (bf16 activations move logits by ~1e-2 between implementations)."""
+    is at least min_margin, beyond the noise between implementations."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lens:
