@@ -24,7 +24,7 @@ from collections import namedtuple
 
 import torch
 
-from .collectives import reduce_sum_
+from .collectives import reduce_sum
 
 MM = torch.ops.minimax
 mm = MM
@@ -162,11 +162,11 @@ def all_reduce(x, group_name: str):
 def run_layer(attention, ffn, attention_args, w, c, group_name: str, fp32_sums: bool = False):
     """One layer: attention(*attention_args, w, c), all-reduce, ffn, all-reduce -> (out, residual).
     ``fp32_sums`` (the fused ops where their FFN half runs on the stage kernels): the halves' fp32 partials
-    are theirs, so each is summed in place (collectives.reduce_sum_), and the FFN half takes the first sum
+    are theirs, so each is summed in place (collectives.reduce_sum), and the FFN half takes the first sum
     in fp32: its post norm kernel rounds it to bf16 as minimax.all_reduce would (no cast kernel between)."""
     o, residual = attention(*attention_args, w, c)
     if not (fp32_sums and group_name):
         out, residual = ffn(all_reduce(o, group_name), residual, w, c)
         return all_reduce(out, group_name), residual
-    out, residual = ffn(reduce_sum_(o, group_name), residual, w, c)
-    return reduce_sum_(out, group_name).to(torch.bfloat16), residual
+    out, residual = ffn(reduce_sum(o, group_name, in_place=True), residual, w, c)
+    return reduce_sum(out, group_name, in_place=True).to(torch.bfloat16), residual

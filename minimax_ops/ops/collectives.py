@@ -45,27 +45,20 @@ def group_size(group_name: str) -> int:
     return _resolve_process_group(group_name).size()
 
 
-def reduce_sum(x: Tensor, group_name: str) -> Tensor:
-    """The sum over the group's ranks, in fp32 (no-op for "")."""
+def reduce_sum(x: Tensor, group_name: str, *, in_place: bool = False) -> Tensor:
+    """The sum over the group's ranks, in fp32 (no-op for ""). ``in_place``: x is an fp32 partial sum the
+    caller drops after the call (the fused layer's o_proj and FFN outputs), summed in place where the
+    backend can (torch's functional all_reduce_: no copy of x first); vLLM's communicator returns a new
+    tensor."""
     if not group_name:
         return x
+    if in_place:
+        check(x.dtype == torch.float32, f"x: expected an fp32 partial sum, got {x.dtype}")
     wide = x.float()
     if group_name == VLLM_TP_GROUP:
         return _vllm_tp_group().all_reduce(wide)
-    out = torch.ops._c10d_functional.all_reduce(wide, "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
-
-
-def reduce_sum_(x: Tensor, group_name: str) -> Tensor:
-    """reduce_sum of an fp32 partial sum the caller made and drops after the call (the fused layer's o_proj and
-    FFN outputs): summed in place where the backend can (torch's functional all_reduce_: no copy of x first);
-    vLLM's communicator returns a new tensor. No-op for ""."""
-    if not group_name:
-        return x
-    check(x.dtype == torch.float32, f"x: expected an fp32 partial sum, got {x.dtype}")
-    if group_name == VLLM_TP_GROUP:
-        return _vllm_tp_group().all_reduce(x)
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce_(x, "sum", group_name))
+    reduce = torch.ops._c10d_functional.all_reduce_ if in_place else torch.ops._c10d_functional.all_reduce
+    return torch.ops._c10d_functional.wait_tensor(reduce(wide, "sum", group_name))
 
 
 def _check_all_reduce(x: Tensor, group_name: str) -> None:
