@@ -29,12 +29,18 @@ class KernelSpec:
 
 
 def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
-    """Every spec with PDL=False (all targets) plus a CUDA-only copy with PDL=True: the launch the
-    fused decode makes as a programmatic dependent (griddepcontrol is PTX)."""
+    """Every spec in the form each backend launches it: on CUDA with PDL=True (the fused decode launches
+    its kernels as programmatic dependents; griddepcontrol is PTX, and PDL=False differs from it by those
+    instructions alone, so one CUDA compile stands for both), elsewhere with PDL=False (which compiles
+    that branch too)."""
     out = []
     for spec in specs:
-        out.append(replace(spec, constexprs={**spec.constexprs, "PDL": False}))
-        out.append(replace(spec, constexprs={**spec.constexprs, "PDL": True}, name=f"{spec.label()}_pdl",
-                           targets=("cuda",)))
+        wanted = spec.targets or ("cuda", "hip")
+        if "cuda" in wanted:
+            out.append(replace(spec, constexprs={**spec.constexprs, "PDL": True}, name=f"{spec.label()}_pdl",
+                               targets=("cuda",)))
+        if any(t != "cuda" for t in wanted):
+            out.append(replace(spec, constexprs={**spec.constexprs, "PDL": False},
+                               targets=tuple(t for t in wanted if t != "cuda")))
     return out
 
