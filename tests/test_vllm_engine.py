@@ -79,7 +79,7 @@ def checkpoint(env):
 
 @pytest.fixture(scope="module")
 def follows_reference(checkpoint):
-    """Asserts that an engine's greedy outputs for a batch of prompts are the reference's."""
+    """Asserts that an engine's greedy outputs for a batch of prompts are the reference's (assert_reference_greedy)."""
     _, weights = checkpoint
 
     def check(batch: list[list[int]], outputs: list[list[int]], max_tokens: int = MAX_TOKENS_OUT) -> None:
