@@ -40,10 +40,10 @@ def transformers_state_dict(tensors: dict[str, torch.Tensor], config: MiniMaxM3C
 
 
 def transformers_steps(tensors: dict[str, torch.Tensor], config: MiniMaxM3Config, text_config: dict,
-                       prompt: list[int], tokens: list[int]):
+                       prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
     """transformers' MiniMaxM3VLForCausalLM (bf16) decoding ``tokens`` after ``prompt`` as its greedy search
-    does (a prefill, then one-token steps on its KV cache), fed ``tokens`` (teacher forcing): yields its
-    logits at each step (bf16, as its lm_head gives them)."""
+    does (a prefill, then one-token steps on its KV cache), fed ``tokens`` (teacher forcing): its logits at
+    each step (bf16, as its lm_head gives them)."""
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
@@ -55,8 +55,11 @@ def transformers_steps(tensors: dict[str, torch.Tensor], config: MiniMaxM3Config
     if missing or unexpected:
         raise AssertionError(f"transformers' model: missing {missing}, unexpected {unexpected}")
     model = model.to(torch.bfloat16).eval()
+    steps = []
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
-        for token in tokens:
-            yield out.logits[0, -1]
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        for i, token in enumerate(tokens):
+            steps.append(out.logits[0, -1])
+            if i + 1 < len(tokens):  # (the last token's own logits are not asked for)
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return steps

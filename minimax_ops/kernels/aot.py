@@ -35,7 +35,7 @@ def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:
     that branch too)."""
     out = []
     for spec in specs:
-        wanted = spec.targets or ("cuda", "hip")
+        wanted = spec.targets or tuple(dict.fromkeys(backend for backend, *_ in TARGETS))
         if "cuda" in wanted:
             out.append(replace(spec, constexprs={**spec.constexprs, "PDL": True}, name=f"{spec.label()}_pdl",
                                targets=("cuda",)))
