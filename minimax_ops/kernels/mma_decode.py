@@ -164,55 +164,52 @@ def _e2m1_pair(p):
 
 
 @triton.jit
-def _split4(t, NW: tl.constexpr):
-    """[NW, 8, 4, 4] -> its 4 slices along the last axis, each [NW, 8, 4]."""
-    a, b = tl.split(tl.reshape(t, [NW, 8, 4, 2, 2]))  # last axis = slot % 2
-    s0, s2 = tl.split(a)
-    s1, s3 = tl.split(b)
-    return s0, s1, s2, s3
+def _by_step(a, b, NW: tl.constexpr):
+    """Two [R, 4] operands of a block's k-step halves (``a`` k-steps 0, 1 and ``b`` 2, 3, two slots a
+    step) -> (even, odd) [NW, 8, 4, 4]: last axis the k-step j, holding slot 2 (j % 2) / 2 (j % 2) + 1 of
+    ``a`` (j < 2) or ``b``."""
+    ab = tl.join(tl.reshape(a, [NW, 8, 4, 2, 2]), tl.reshape(b, [NW, 8, 4, 2, 2]))  # [.., j % 2, slot % 2, j // 2]
+    even, odd = tl.split(tl.permute(ab, (0, 1, 2, 5, 3, 4)))  # split on slot % 2
+    return tl.reshape(even, [NW, 8, 4, 4]), tl.reshape(odd, [NW, 8, 4, 4])
 
 
 @triton.jit
 def _emulate(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, FP8: tl.constexpr):
-    """MMA_BLOCK_PTX / MMA8_BLOCK_PTX with whole-tensor ops (fragment order in and out)."""
+    """MMA_BLOCK_PTX / MMA8_BLOCK_PTX with whole-tensor ops (fragment order in and out), the four
+    k-steps at once: each operand as [warp, g, c, k-step], the products [warp, row g, token, c, k-step]
+    summed over c, times the row's group scale, summed over the k-steps in order."""
     shape: tl.constexpr = [NW, 8, 4, 4]
-    w0, w1, w2, w3 = _split4(tl.reshape(w, shape), NW)
-    h0, h1, h2, h3 = _split4(tl.reshape(w_hi, shape), NW)
-    byte = tl.reshape(s, shape).to(tl.int32)  # column e: byte 4g + e of the block
+    if FP8:  # k-step j: words (row g, row g + 8) 2(j % 2), 2(j % 2) + 1 of half j // 2
+        f0, f1, f2, f3 = _fp8_word_values(w)
+        g0, g1, g2, g3 = _fp8_word_values(w_hi)
+        v0, v2 = _by_step(f0, g0, NW)
+        v1, v3 = _by_step(f1, g1, NW)
+        v4, v6 = _by_step(f2, g2, NW)
+        v5, v7 = _by_step(f3, g3, NW)
+    else:  # k-step j: word j
+        u0, u1, u2, u3, u4, u5, u6, u7 = _word_values(w)
+        v0, v1, v2, v3 = tl.reshape(u0, shape), tl.reshape(u1, shape), tl.reshape(u2, shape), tl.reshape(u3, shape)
+        v4, v5, v6, v7 = tl.reshape(u4, shape), tl.reshape(u5, shape), tl.reshape(u6, shape), tl.reshape(u7, shape)
+    # x pairs of k-step j (token g of the lane's row axis): K +0, +1 and +2, +3 of group j // 2
+    b0, b1 = _by_step(x0, x1, NW)
+    x00, x01 = bf16_halves(b0.to(tl.uint32, bitcast=True), True)
+    x10, x11 = bf16_halves(b1.to(tl.uint32, bitcast=True), True)
     # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS / MMA8_SCALE_BIAS
     BIAS: tl.constexpr = 120 if FP8 else 126
+    byte = tl.reshape(s, shape).to(tl.int32)  # column e: byte 4g + e of the block, e = 2h + q
     sc = tl.max((((byte - BIAS) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, 4]: equal over c
-    sc0, sc1 = tl.split(tl.reshape(sc, [NW, 8, 2, 2]))  # byte b = 2h + q; split on q
-    s_g0, s_h0 = tl.split(sc0)  # group 0: rows g, g + 8
-    s_g1, s_h1 = tl.split(sc1)
-    d_lo = tl.zeros([NW, 8, 8], dtype=tl.float32)  # [warp, row g, token]
-    d_hi = tl.zeros([NW, 8, 8], dtype=tl.float32)  # row g + 8
-    xa = _split4(tl.reshape(x0, shape), NW)
-    xb = _split4(tl.reshape(x1, shape), NW)
-    for j in tl.static_range(4):
-        if FP8:  # k-step j: words (row g, row g + 8) 2(j % 2), 2(j % 2) + 1 of half j // 2
-            wg = (w0 if j == 0 else w2) if j < 2 else (h0 if j == 2 else h2)
-            wh = (w1 if j == 0 else w3) if j < 2 else (h1 if j == 2 else h3)
-            v0, v1, v4, v5 = _fp8_word_values(wg)
-            v2, v3, v6, v7 = _fp8_word_values(wh)
-        else:
-            wj = w0 if j == 0 else w1 if j == 1 else w2 if j == 2 else w3
-            v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(wj)  # each [NW, 8(g), 4(c)]
-        xs = xa if j < 2 else xb
-        b0 = xs[0] if j % 2 == 0 else xs[2]  # x pair for K +0, +1 (token g of the lane's row axis)
-        b1 = xs[1] if j % 2 == 0 else xs[3]  # K +2, +3
-        x00, x01 = bf16_halves(b0.to(tl.uint32, bitcast=True), True)
-        x10, x11 = bf16_halves(b1.to(tl.uint32, bitcast=True), True)
-        lo = s_g0 if j < 2 else s_g1
-        hi = s_h0 if j < 2 else s_h1
-        # a0 = (row g; K +0, +1) = (v0, v1), a1 = (row g + 8; +0, +1) = (v2, v3),
-        # a2 = (row g; +2, +3) = (v4, v5), a3 = (row g + 8; +2, +3) = (v6, v7)
-        row_g = (v0[:, :, None, :] * x00[:, None, :, :] + v1[:, :, None, :] * x01[:, None, :, :]
-                 + v4[:, :, None, :] * x10[:, None, :, :] + v5[:, :, None, :] * x11[:, None, :, :])
-        row_h = (v2[:, :, None, :] * x00[:, None, :, :] + v3[:, :, None, :] * x01[:, None, :, :]
-                 + v6[:, :, None, :] * x10[:, None, :, :] + v7[:, :, None, :] * x11[:, None, :, :])
-        d_lo += tl.sum(row_g, axis=3) * lo[:, :, None]
-        d_hi += tl.sum(row_h, axis=3) * hi[:, :, None]
+    s_lo, s_hi = tl.split(tl.permute(tl.reshape(sc, [NW, 8, 2, 2]), (0, 1, 3, 2)))  # [NW, 8, q] of rows g, g + 8
+    s_lo = tl.reshape(tl.join(s_lo, s_lo), [NW, 8, 4])  # [NW, 8, j]: group j // 2
+    s_hi = tl.reshape(tl.join(s_hi, s_hi), [NW, 8, 4])
+    # a0 = (row g; K +0, +1) = (v0, v1), a1 = (row g + 8; +0, +1) = (v2, v3),
+    # a2 = (row g; +2, +3) = (v4, v5), a3 = (row g + 8; +2, +3) = (v6, v7)
+    x00, x01, x10, x11 = x00[:, None, :, :, :], x01[:, None, :, :, :], x10[:, None, :, :, :], x11[:, None, :, :, :]
+    row_g = (v0[:, :, None, :, :] * x00 + v1[:, :, None, :, :] * x01
+             + v4[:, :, None, :, :] * x10 + v5[:, :, None, :, :] * x11)
+    row_h = (v2[:, :, None, :, :] * x00 + v3[:, :, None, :, :] * x01
+             + v6[:, :, None, :, :] * x10 + v7[:, :, None, :, :] * x11)
+    d_lo = tl.sum(tl.sum(row_g, axis=3) * s_lo[:, :, None, :], axis=3)  # [warp, row g, token]
+    d_hi = tl.sum(tl.sum(row_h, axis=3) * s_hi[:, :, None, :], axis=3)  # row g + 8
     # token column 2c + e % 2, row half e // 2 -> fragment order [NW, 8(g), 4(c), 4(e)]
     lo2 = tl.reshape(d_lo, [NW, 8, 4, 2])
     hi2 = tl.reshape(d_hi, [NW, 8, 4, 2])
