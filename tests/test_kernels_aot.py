@@ -39,10 +39,13 @@ def test_every_kernel_compiles_for_every_target(aot_background):
     # Every @triton.jit function of minimax_ops/kernels/*.py is in some aot_specs() or called by one that is.
     assert not data["uncovered"], f"kernels missing from aot_specs(): {data['uncovered']}"
     assert any(data["modules"].values()), "found no @triton.jit functions at all"
-    for target in TARGETS:
-        label = f"{target[0]}:{target[1]}"
-        compiled = {r["kernel"] for r in data["results"] if r["target"] == label and r["ok"]}
-        assert compiled, f"no kernel was compiled for {label}"
+    labels = [f"{t[0]}:{t[1]}" for t in TARGETS]
+    compiled = {label: {(r["module"], r["kernel"]) for r in data["results"] if r["target"] == label} for label in labels}
+    for label, kernels in compiled.items():
+        assert kernels, f"no kernel was compiled for {label}"
+        # a chip compiling a cover of the specs (aot.FULL_TARGETS) still compiles every kernel its backend does
+        same_backend = set().union(*(k for other, k in compiled.items() if other.split(":")[0] == label.split(":")[0]))
+        assert kernels == same_backend, f"{label} misses {sorted(same_backend - kernels)}"
     assert returncode == 0, f"aot_check exited {returncode}:\n{log}"
 
 
@@ -121,6 +124,27 @@ def test_spec_targets_restrict_where_a_spec_compiles():
     assert [spec_wants(spec, t) for t in TARGETS] == [t[0] == "cuda" for t in TARGETS]
     spec.targets = ("gfx950",)
     assert [spec_wants(spec, t) for t in TARGETS] == [t[1] == "gfx950" for t in TARGETS]
+
+
+def test_other_chips_compile_a_cover_of_each_kernels_specs():
+    """A target outside aot.FULL_TARGETS compiles a subset of the specs in which each kernel still meets
+    every value each of its constexprs and num_warps takes; the full targets compile every spec."""
+    from minimax_ops.kernels.aot import FULL_TARGETS, KernelSpec, cover
+    from minimax_ops.kernels.aot_check import compiled_on, target_label
+    a, b = object(), object()  # two kernels
+    specs = [KernelSpec(a, {}, {"X": 1, "Y": True}, num_warps=4), KernelSpec(a, {}, {"X": 2, "Y": True}, num_warps=4),
+             KernelSpec(a, {}, {"X": 1, "Y": False}, num_warps=4), KernelSpec(a, {}, {"X": 2, "Y": False}, num_warps=8),
+             KernelSpec(b, {}, {"X": 1}, num_warps=4)]
+    chosen = cover(specs)
+    assert chosen == [0, 3, 4]  # a's five values in two specs (the first of four tied at three), then b
+    seen = {(id(specs[i].kernel), k, v) for i in chosen for k, v in [*specs[i].constexprs.items(),
+                                                                  ("num_warps", specs[i].num_warps)]}
+    assert seen == {(id(s.kernel), k, v) for s in specs for k, v in [*s.constexprs.items(), ("num_warps", s.num_warps)]}
+    assert cover([specs[4], specs[4]]) == [0]
+    for target in TARGETS:
+        want = list(range(len(specs))) if target_label(target) in FULL_TARGETS else chosen
+        assert compiled_on(specs, target) == want
+    assert {t.split(":")[0] for t in FULL_TARGETS} == {t[0] for t in TARGETS}  # every backend in full somewhere
 
 
 FRAGMENT_PROBE = textwrap.dedent('''

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64), ("hip", "gfx950", 64))
+# Targets that compile every spec. A target not listed is another chip of a backend listed here (gfx950
+# beside gfx942: the same Triton passes, another code generator): it compiles ``cover(specs)``, so every
+# kernel still meets its compiler with every value each constexpr and num_warps takes in some spec.
+FULL_TARGETS = ("cuda:90", "hip:gfx942")
 
 
 @dataclass
@@ -26,6 +30,23 @@ class KernelSpec:
 
     def label(self) -> str:
         return self.name or getattr(self.kernel, "__name__", repr(self.kernel))
+
+
+def cover(specs: list[KernelSpec]) -> list[int]:
+    """Indices of a subset of ``specs`` in which each kernel meets every (constexpr, value) and num_warps
+    that any of its specs has: greedy set cover, the spec adding most unmet pairs first (list order on ties)."""
+    def pairs(spec):
+        kernel = id(spec.kernel)
+        return {(kernel, name, repr(value)) for name, value in spec.constexprs.items()} | {
+            (kernel, "num_warps", repr(spec.num_warps))}
+
+    wanted = [pairs(s) for s in specs]
+    unmet, chosen = set().union(*wanted), []
+    while unmet:
+        best = max(range(len(specs)), key=lambda i: (len(wanted[i] & unmet), -i))
+        chosen.append(best)
+        unmet -= wanted[best]
+    return sorted(chosen)
 
 
 def with_pdl_variants(specs: list[KernelSpec]) -> list[KernelSpec]:

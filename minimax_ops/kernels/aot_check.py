@@ -196,6 +196,16 @@ def spec_wants(spec, target: tuple) -> bool:
     return not wanted or any(w in target_label(target) for w in wanted)
 
 
+def compiled_on(specs: list, target: tuple) -> list[int]:
+    """Indices of the specs compiled for target: those that want it, all of them on aot.FULL_TARGETS,
+    elsewhere their aot.cover."""
+    from .aot import FULL_TARGETS, cover
+    wanted = [i for i, s in enumerate(specs) if spec_wants(s, target)]
+    if target_label(target) in FULL_TARGETS:
+        return wanted
+    return [wanted[j] for j in cover([specs[i] for i in wanted])]
+
+
 def full_signature(spec) -> dict[str, str]:
     """Triton's ASTSource wants every parameter in the signature, constexprs typed "constexpr"."""
     kernel = unwrap(spec.kernel)
@@ -350,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for t in TARGETS if not args.target or any(f in target_label(t) for f in args.target)]
     if not targets:
         raise SystemExit(f"--target {args.target} matches none of {[target_label(t) for t in TARGETS]}")
-    tasks = [(m.name, i, t) for m in loaded for i, s in enumerate(m.specs)
-             if not args.kernel or args.kernel in s.label() or args.kernel in getattr(unwrap(s.kernel), "__name__", "")
-             for t in targets if spec_wants(s, t)]
+    tasks = [(m.name, i, t) for m in loaded for t in targets for i in compiled_on(m.specs, t)
+             if not args.kernel or args.kernel in m.specs[i].label()
+             or args.kernel in getattr(unwrap(m.specs[i].kernel), "__name__", "")]
+    tasks.sort(key=lambda task: ([m.name for m in loaded].index(task[0]), task[1], targets.index(task[2])))
     broken = [m for m in loaded if m.error]
     missing = uncovered(loaded)
 
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for name, i in dict.fromkeys((name, i) for name, i, _ in tasks):
             s = _LOADED[name].specs[i]
-            only = [target_label(t) for t in targets if spec_wants(s, t)]
+            only = [target_label(t) for n, j, t in tasks if (n, j) == (name, i)]
             print(f"  {name}.{s.label()}  kernel={getattr(unwrap(s.kernel), '__name__', '?')}  "
                   f"num_warps={s.num_warps} num_stages={s.num_stages} constexprs={s.constexprs}"
                   + ("" if len(only) == len(targets) else f"  targets={only}"))
