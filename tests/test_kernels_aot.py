@@ -40,7 +40,8 @@ def test_every_kernel_compiles_for_every_target(aot_background):
     assert not data["uncovered"], f"kernels missing from aot_specs(): {data['uncovered']}"
     assert any(data["modules"].values()), "found no @triton.jit functions at all"
     labels = [f"{t[0]}:{t[1]}" for t in TARGETS]
-    compiled = {label: {(r["module"], r["kernel"]) for r in data["results"] if r["target"] == label} for label in labels}
+    compiled = {label: {(r["module"], r["kernel"]) for r in data["results"] if r["target"] == label}
+                for label in labels}
     for label, kernels in compiled.items():
         assert kernels, f"no kernel was compiled for {label}"
         # a chip compiling a cover of the specs (aot.FULL_TARGETS) still compiles every kernel its backend does
