@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [(m.name, i, t) for m in loaded for t in targets for i in compiled_on(m.specs, t)
              if not args.kernel or args.kernel in m.specs[i].label()
              or args.kernel in getattr(unwrap(m.specs[i].kernel), "__name__", "")]
-    tasks.sort(key=lambda task: ([m.name for m in loaded].index(task[0]), task[1], targets.index(task[2])))
+    order = {m.name: k for k, m in enumerate(loaded)}
+    tasks.sort(key=lambda task: (order[task[0]], task[1], targets.index(task[2])))  # by module, spec, target
     broken = [m for m in loaded if m.error]
     missing = uncovered(loaded)
 
