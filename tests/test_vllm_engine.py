@@ -79,7 +79,8 @@ def checkpoint(env):
 
 @pytest.fixture(scope="module")
 def follows_reference(checkpoint):
-    """Asserts that an engine's greedy outputs for a batch of prompts are the reference's (assert_reference_greedy)."""
+    """Asserts that an engine's greedy outputs for a batch of prompts are the reference's
+    (vllm_checkpoint.assert_reference_greedy)."""
     _, weights = checkpoint
 
     def check(batch: list[list[int]], outputs: list[list[int]], max_tokens: int = MAX_TOKENS_OUT) -> None:
@@ -142,10 +143,11 @@ class _nothing:
 
 trace_once = engine_fixture()
 vllm_compile = engine_fixture(force=True, compilation={"pass_config": NO_VLLM_FUSIONS})
+# 7 blocks of 128 tokens for 3 requests of 2-3 blocks
 speculative_tiny_cache = engine_fixture(
     speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
                         "prompt_lookup_max": 4},
-    num_gpu_blocks_override=7, max_model_len=512, disable_log_stats=False)  # 7 blocks of 128 tokens for 3 requests of 2-3 blocks
+    num_gpu_blocks_override=7, max_model_len=512, disable_log_stats=False)
 
 
 # ---- the trace-once route (vLLM's CPU platform default) ----------------------------------------------------

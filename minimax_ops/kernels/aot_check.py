@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
 from . import cubin_resources, wgmma_hazards
+from .aot import FULL_TARGETS, TARGETS, cover
 
 PACKAGE = "minimax_ops.kernels"
 NOT_KERNEL_MODULES = {"aot", "aot_check", "cubin_resources", "wgmma_hazards"}
@@ -199,7 +200,6 @@ def spec_wants(spec, target: tuple) -> bool:
 def compiled_on(specs: list, target: tuple) -> list[int]:
     """Indices of the specs compiled for target: those that want it, all of them on aot.FULL_TARGETS,
     elsewhere their aot.cover."""
-    from .aot import FULL_TARGETS, cover
     wanted = [i for i, s in enumerate(specs) if spec_wants(s, target)]
     if target_label(target) in FULL_TARGETS:
         return wanted
@@ -352,7 +352,6 @@ def main(argv: list[str] | None = None) -> int:
         print("aot_check: TRITON_INTERPRET is set; re-running without it", flush=True)
         os.execve(sys.executable, [sys.executable, "-m", "minimax_ops.kernels.aot_check", *argv], env)
     args = parse_args(argv)
-    from .aot import TARGETS
 
     names = select_modules(args.modules)
     loaded = [load(n) for n in names]
@@ -360,11 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for t in TARGETS if not args.target or any(f in target_label(t) for f in args.target)]
     if not targets:
         raise SystemExit(f"--target {args.target} matches none of {[target_label(t) for t in TARGETS]}")
-    tasks = [(m.name, i, t) for m in loaded for t in targets for i in compiled_on(m.specs, t)
-             if not args.kernel or args.kernel in m.specs[i].label()
-             or args.kernel in getattr(unwrap(m.specs[i].kernel), "__name__", "")]
-    order = {m.name: k for k, m in enumerate(loaded)}
-    tasks.sort(key=lambda task: (order[task[0]], task[1], targets.index(task[2])))  # by module, spec, target
+    tasks = []  # (module, spec index, target), by module, spec, target
+    for m in loaded:
+        on = {t: set(compiled_on(m.specs, t)) for t in targets}
+        tasks += [(m.name, i, t) for i, s in enumerate(m.specs)
+                  if not args.kernel or args.kernel in s.label()
+                  or args.kernel in getattr(unwrap(s.kernel), "__name__", "")
+                  for t in targets if i in on[t]]
     broken = [m for m in loaded if m.error]
     missing = uncovered(loaded)
 
