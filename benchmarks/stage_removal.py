@@ -8,6 +8,11 @@ output (per layer, so later layers still run); a removed attention merge, router
 still launches the rest of its step (the splits, the router's logits, the experts), that one kernel not,
 returning the first full call's output.
 
+A removed kernel can also remove a wait. Without the router, w13's shared-expert programs become direct
+dependents of o_proj. They stream h before o_proj's last programs have written it, which is a head start no
+correct fold has. So the router's saving here overstates that fold: built with the wait kept, it cost 2.2 us
+(BENCHMARKS.md, forty-eighth session). The same applies to the variants that take the router out with others.
+
 The default variants take stages out of the layer as it runs by default (one-token steps: the post norm
 deferred into o_proj, the router and w13; the router's top-k made in the expert kernels), each alone and
 the five latency-bound kernels (input norm, score pass, attention merge, router logits, expert combine)
