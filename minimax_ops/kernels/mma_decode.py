@@ -22,8 +22,9 @@ An ``mxfp8_mma`` block is the same 16 x 64 values in 256 words (8 a lane, two 12
 k-step a word of row g and one of row g + 8, 4 values each, decoded with 5 integer instructions
 and 2 ``mul.bf16x2`` into two A registers (scale bytes biased by 120: e4m3 decodes as v * 2^-120).
 
-The interpreter and non-NVIDIA targets run ``_emulate``: the same arithmetic on the same operands,
-written with whole-tensor ops (slow, exact to fp32 rounding).
+The interpreter and non-NVIDIA targets run ``_emulate``: the same decode of the same operands, the
+products summed in fp32 in an order of its own, written with few whole-tensor ops (the interpreter's time
+follows their count).
 """
 
 from __future__ import annotations
@@ -126,39 +127,30 @@ def scale_words(s, PTX: tl.constexpr):
 
 
 @triton.jit
-def _e4m3(byte):
-    """e4m3 byte (uint32, sign at bit 7) -> fp32, with integer ops only (no subnormal arithmetic)."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormals: m * 2^-9
-    return tl.where((byte & 128) != 0, -v, v)
+def _rows_by_half(t, NW: tl.constexpr):
+    """[NW, 8 (g), 4 (c), 4 (k-step), 2 (h)] -> [NW, 16 (row g + 8h), 4, 4]: the block's rows on one axis."""
+    return tl.reshape(tl.permute(t, (0, 4, 1, 2, 3)), [NW, 16, 4, 4])
 
 
 @triton.jit
-def _fp8_word_values(w):
-    """mxfp8_mma word -> its 4 e4m3 values (K + 0 .. 3) as fp32 (formats.pack_mxfp8_words)."""
-    u = w.to(tl.uint32, bitcast=True)
-    v0 = _e4m3(((u >> 4) & 127) | (((u >> 15) & 1) << 7))
-    v1 = _e4m3(((u >> 20) & 127) | (((u >> 31) & 1) << 7))
-    v2 = _e4m3((u & 15) | (((u >> 12) & 7) << 4) | (((u >> 11) & 1) << 7))
-    v3 = _e4m3(((u >> 16) & 15) | (((u >> 28) & 7) << 4) | (((u >> 27) & 1) << 7))
-    return v0, v1, v2, v3
+def _fp8_values(w, w_hi, NW: tl.constexpr):
+    """mxfp8_mma words (k-steps 0, 1 in ``w``, 2, 3 in ``w_hi``, formats.pack_mxfp8_words) -> (lo, hi) fp32
+    [NW, 16 (row), 4 (c), 4 (k-step j), 2 (q)]: row r's values at K + 2q (lo) and K + 2q + 1 (hi) of k-step j.
+    A word's bits as MMA8_BLOCK_PTX places them: bf16 pairs (K + 0, + 1) and (K + 2, + 3) of value * 2^-120."""
+    wg, wh = _by_step(w, w_hi, NW)
+    u = _rows_by_half(tl.join(wg, wh), NW).to(tl.uint32, bitcast=True)
+    p = tl.join(u & 0x87F087F0, ((u << 4) & 0x80F080F0) | ((u >> 4) & 0x07000700))
+    lo, hi = bf16_halves(p, True)  # * 2^120 is exact (e4m3 subnormals are fp32 subnormals here, as e2m1's 0.5)
+    return lo * 1329227995784915872903807060280344576.0, hi * 1329227995784915872903807060280344576.0
 
 
 @triton.jit
-def _word_values(w):
-    """mxfp4_words word -> its 8 e2m1 values v0 .. v7 as fp32 (pairs (v0, v1) .. (v6, v7))."""
+def _fp4_values(w, NW: tl.constexpr):
+    """mxfp4_mma words (word j: k-step j) -> (lo, hi) as ``_fp8_values``: pairs 0 / 1 of a word are rows g /
+    g + 8 at K + 0, + 1, pairs 2 / 3 the same rows at K + 2, + 3 (mxfp4_word_pairs)."""
     p0, p1, p2, p3 = mxfp4_word_pairs(w.to(tl.uint32, bitcast=True))
-    v0, v1 = _e2m1_pair(p0)
-    v2, v3 = _e2m1_pair(p1)
-    v4, v5 = _e2m1_pair(p2)
-    v6, v7 = _e2m1_pair(p3)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _e2m1_pair(p):
+    p = tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), [NW, 8, 4, 4, 2, 2])  # [.., j, h, q]
+    p = tl.reshape(tl.permute(p, (0, 4, 1, 2, 3, 5)), [NW, 16, 4, 4, 2])
     lo, hi = bf16_halves(p, True)  # the values * 2^-126; * 2^126 is exact
     return lo * 85070591730234615865843651857942052864.0, hi * 85070591730234615865843651857942052864.0
 
@@ -176,44 +168,26 @@ def _by_step(a, b, NW: tl.constexpr):
 @triton.jit
 def _emulate(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, FP8: tl.constexpr):
     """MMA_BLOCK_PTX / MMA8_BLOCK_PTX with whole-tensor ops (fragment order in and out), the four
-    k-steps at once: each operand as [warp, g, c, k-step], the products [warp, row g, token, c, k-step]
-    summed over c, times the row's group scale, summed over the k-steps in order."""
-    shape: tl.constexpr = [NW, 8, 4, 4]
-    if FP8:  # k-step j: words (row g, row g + 8) 2(j % 2), 2(j % 2) + 1 of half j // 2
-        f0, f1, f2, f3 = _fp8_word_values(w)
-        g0, g1, g2, g3 = _fp8_word_values(w_hi)
-        v0, v2 = _by_step(f0, g0, NW)
-        v1, v3 = _by_step(f1, g1, NW)
-        v4, v6 = _by_step(f2, g2, NW)
-        v5, v7 = _by_step(f3, g3, NW)
-    else:  # k-step j: word j
-        u0, u1, u2, u3, u4, u5, u6, u7 = _word_values(w)
-        v0, v1, v2, v3 = tl.reshape(u0, shape), tl.reshape(u1, shape), tl.reshape(u2, shape), tl.reshape(u3, shape)
-        v4, v5, v6, v7 = tl.reshape(u4, shape), tl.reshape(u5, shape), tl.reshape(u6, shape), tl.reshape(u7, shape)
-    # x pairs of k-step j (token g of the lane's row axis): K +0, +1 and +2, +3 of group j // 2
+    k-steps and both row halves at once: weights as [warp, row (g + 8h), c, k-step j, K pair q], x as
+    [warp, token, c, j, q], the products [warp, row, token, c, j, q] summed over q and c, times the row's
+    group scale, summed over the k-steps in order."""
+    if FP8:
+        lo, hi = _fp8_values(w, w_hi, NW)
+    else:
+        lo, hi = _fp4_values(w, NW)
+    # x pairs of k-step j (token g of the lane's row axis): K + 0, + 1 (q = 0) and + 2, + 3 (q = 1) of group j // 2
     b0, b1 = _by_step(x0, x1, NW)
-    x00, x01 = bf16_halves(b0.to(tl.uint32, bitcast=True), True)
-    x10, x11 = bf16_halves(b1.to(tl.uint32, bitcast=True), True)
-    # scale of (row g + 8h, group q) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS / MMA8_SCALE_BIAS
+    x_lo, x_hi = bf16_halves(tl.join(b0, b1).to(tl.uint32, bitcast=True), True)  # [NW, token, c, j, q]
+    # scale of (row g + 8h, group j // 2) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS / MMA8_SCALE_BIAS
     BIAS: tl.constexpr = 120 if FP8 else 126
-    byte = tl.reshape(s, shape).to(tl.int32)  # column e: byte 4g + e of the block, e = 2h + q
-    sc = tl.max((((byte - BIAS) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, 4]: equal over c
-    s_lo, s_hi = tl.split(tl.permute(tl.reshape(sc, [NW, 8, 2, 2]), (0, 1, 3, 2)))  # [NW, 8, q] of rows g, g + 8
-    s_lo = tl.reshape(tl.join(s_lo, s_lo), [NW, 8, 4])  # [NW, 8, j]: group j // 2
-    s_hi = tl.reshape(tl.join(s_hi, s_hi), [NW, 8, 4])
-    # a0 = (row g; K +0, +1) = (v0, v1), a1 = (row g + 8; +0, +1) = (v2, v3),
-    # a2 = (row g; +2, +3) = (v4, v5), a3 = (row g + 8; +2, +3) = (v6, v7)
-    x00, x01, x10, x11 = x00[:, None, :, :, :], x01[:, None, :, :, :], x10[:, None, :, :, :], x11[:, None, :, :, :]
-    row_g = (v0[:, :, None, :, :] * x00 + v1[:, :, None, :, :] * x01
-             + v4[:, :, None, :, :] * x10 + v5[:, :, None, :, :] * x11)
-    row_h = (v2[:, :, None, :, :] * x00 + v3[:, :, None, :, :] * x01
-             + v6[:, :, None, :, :] * x10 + v7[:, :, None, :, :] * x11)
-    d_lo = tl.sum(tl.sum(row_g, axis=3) * s_lo[:, :, None, :], axis=3)  # [warp, row g, token]
-    d_hi = tl.sum(tl.sum(row_h, axis=3) * s_hi[:, :, None, :], axis=3)  # row g + 8
-    # token column 2c + e % 2, row half e // 2 -> fragment order [NW, 8(g), 4(c), 4(e)]
-    lo2 = tl.reshape(d_lo, [NW, 8, 4, 2])
-    hi2 = tl.reshape(d_hi, [NW, 8, 4, 2])
-    frag = tl.permute(tl.join(lo2, hi2), (0, 1, 2, 4, 3))
+    byte = tl.reshape(s, [NW, 8, 4, 4]).to(tl.int32)  # column e: byte 4g + e of the block, e = 2h + group
+    sc = tl.max((((byte - BIAS) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, e]: equal over c
+    sc = tl.reshape(tl.permute(tl.reshape(sc, [NW, 8, 2, 2]), (0, 2, 1, 3)), [NW, 16, 2])  # [NW, row, group]
+    sc = tl.reshape(tl.join(sc, sc), [NW, 16, 4])  # [NW, row, j]
+    prod = lo[:, :, None] * x_lo[:, None] + hi[:, :, None] * x_hi[:, None]  # [NW, row, token, c, j, q]
+    d = tl.sum(tl.sum(tl.sum(prod, axis=5), axis=3) * sc[:, :, None, :], axis=3)  # [NW, row, token]
+    # row g + 8h, token column 2c + e % 2 -> fragment order [NW, 8 (g), 4 (c), 4 (e = 2h + e % 2)]
+    frag = tl.permute(tl.reshape(d, [NW, 2, 8, 4, 2]), (0, 2, 3, 1, 4))
     return acc + tl.reshape(frag, [NW * 32, 4])
 
 
