@@ -130,8 +130,9 @@ def test_spec_targets_restrict_where_a_spec_compiles():
 
 def test_other_chips_compile_a_cover_of_each_kernels_specs():
     """A target outside aot.FULL_TARGETS compiles a subset of the specs in which each kernel still meets
-    every value each of its constexprs and num_warps takes; the full targets compile every spec."""
-    from minimax_ops.kernels.aot import FULL_TARGETS, KernelSpec, cover
+    every value each of its constexprs and num_warps takes (the AMD chips, each its own where ties allow);
+    the full targets compile every spec."""
+    from minimax_ops.kernels.aot import COVER_FROM_END, FULL_TARGETS, KernelSpec, cover
     from minimax_ops.kernels.aot_check import compiled_on, target_label
     a, b = object(), object()  # two kernels
     specs = [KernelSpec(a, {}, {"X": 1, "Y": True}, num_warps=4), KernelSpec(a, {}, {"X": 2, "Y": True}, num_warps=4),
@@ -142,11 +143,16 @@ def test_other_chips_compile_a_cover_of_each_kernels_specs():
     seen = {(id(specs[i].kernel), k, v) for i in chosen for k, v in [*specs[i].constexprs.items(),
                                                                   ("num_warps", specs[i].num_warps)]}
     assert seen == {(id(s.kernel), k, v) for s in specs for k, v in [*s.constexprs.items(), ("num_warps", s.num_warps)]}
-    assert cover([specs[4], specs[4]]) == [0]
+    twins = [specs[4], specs[4]]  # a tie: the first in list order, or the last from the end
+    assert cover(twins) == [0] and cover(twins, from_end=True) == [1]
     for target in TARGETS:
-        want = list(range(len(specs))) if target_label(target) in FULL_TARGETS else chosen
-        assert compiled_on(specs, target) == want
-    assert {t.split(":")[0] for t in FULL_TARGETS} == {t[0] for t in TARGETS}  # every backend in full somewhere
+        label = target_label(target)
+        assert compiled_on(specs, target) == (list(range(len(specs))) if label in FULL_TARGETS else chosen)
+        assert compiled_on(twins, target) == ([0, 1] if label in FULL_TARGETS else [1] if label in COVER_FROM_END
+                                              else [0])
+    assert "cuda:90" in FULL_TARGETS  # the GPU the kernels are timed on compiles every spec
+    amd = [target_label(t) for t in TARGETS if t[0] == "hip"]
+    assert set(COVER_FROM_END) <= set(amd) and any(label not in COVER_FROM_END for label in amd)  # two covers
 
 
 FRAGMENT_PROBE = textwrap.dedent('''
@@ -154,15 +160,16 @@ FRAGMENT_PROBE = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from minimax_ops.kernels import aot_check, linear_mma, moe_mma, qkv_mma
+    from minimax_ops.kernels.aot import cover
 
     # Divisibility the launches guarantee (mma_launch.check_aligned checks strides; Triton specialises
     # pointers and integers divisible by 16).
     SIXTEEN = ("k_blocks", "hidden", "inter", "inter_shared", "N")
     out, evict = {}, {}
-    for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs():
-        # (qkv_mma: its GEMV with the norm / RoPE / insert epilogue, whose layout must not leak into it)
-        if not spec.constexprs["PTX"] or spec.constexprs["PDL"] or spec.constexprs.get("SEG_TOKENS", 1) != 1:
-            continue
+    # (qkv_mma: its GEMV with the norm / RoPE / insert epilogue, whose layout must not leak into it)
+    launched = [spec for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs()
+                if spec.constexprs["PTX"] and not spec.constexprs["PDL"] and spec.constexprs.get("SEG_TOKENS", 1) == 1]
+    for spec in [launched[i] for i in cover(launched)]:  # every value of every constexpr and num_warps
         names = list(spec.signature)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                  if spec.signature[n].startswith("*") or n.startswith("stride") or n in SIXTEEN}
@@ -184,7 +191,8 @@ FRAGMENT_PROBE = textwrap.dedent('''
 def test_mma_block_product_gets_the_fragment_layout(tmp_path):
     """The inline-PTX mma.sync of kernels/mma_decode.py is only right if Triton gives each thread one
     row of the [DEPTH * NW * 32, 4] operand tensors (4 consecutive registers, one lane per row): the
-    layout it picks for every PTX launch of the specs, compiled as launched (16-byte divisibility); and
+    layout it picks for the PTX launches of the specs (a cover: every value each constexpr and num_warps takes),
+    compiled as launched (16-byte divisibility); and
     their weight loads carry L2's evict-first hint exactly where the spec asks (mma_launch.weights_evict_first).
     (A scale load of one word broadcast over the 4 columns once made Triton pick a row-major
     [1, 1] layout for the small launches.)"""

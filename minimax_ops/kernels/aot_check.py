@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
 from . import cubin_resources, wgmma_hazards
-from .aot import FULL_TARGETS, TARGETS, cover
+from .aot import COVER_FROM_END, FULL_TARGETS, TARGETS, cover
 
 PACKAGE = "minimax_ops.kernels"
 NOT_KERNEL_MODULES = {"aot", "aot_check", "cubin_resources", "wgmma_hazards"}
@@ -199,11 +199,12 @@ def spec_wants(spec, target: tuple) -> bool:
 
 def compiled_on(specs: list, target: tuple) -> list[int]:
     """Indices of the specs compiled for target: those that want it, all of them on aot.FULL_TARGETS,
-    elsewhere their aot.cover."""
+    elsewhere their aot.cover (taken from the list's end on aot.COVER_FROM_END)."""
     wanted = [i for i, s in enumerate(specs) if spec_wants(s, target)]
-    if target_label(target) in FULL_TARGETS:
+    label = target_label(target)
+    if label in FULL_TARGETS:
         return wanted
-    return [wanted[j] for j in cover([specs[i] for i in wanted])]
+    return [wanted[j] for j in cover([specs[i] for i in wanted], from_end=label in COVER_FROM_END)]
 
 
 def full_signature(spec) -> dict[str, str]:

@@ -95,11 +95,17 @@ def _mxfp4_block_ptx(part: str = "") -> str:
 MMA_BLOCK_PTX = tl.constexpr(_mxfp4_block_ptx(_DIAG_MXFP4))
 
 
+# The bit masks of an mxfp8_mma word's decode into bf16 pairs: one source for MMA8_BLOCK_PTX and its
+# emulation (``_fp8_values``).
+KEEP8, TOP8, LOW8 = tl.constexpr(0x87F087F0), tl.constexpr(0x80F080F0), tl.constexpr(0x07000700)
+
+
 # mxfp8_mma: $4..$7 the lane's words of k-steps 0, 1 (row g, row g + 8, row g, row g + 8), $8..$11
 # of k-steps 2, 3, $12..$19 x pairs of groups 0 / 1, $20..$23 the scale words, $24..$27 accumulators in.
 def _decode8(w: str, lo: str, hi: str, sc: str) -> str:
     """One mxfp8_mma word -> bf16x2 pairs lo (values 0, 1) and hi (2, 3), times the scale pair sc."""
-    return (f"and.b32 {lo}, {w}, 0x87F087F0;\nshl.b32 t, {w}, 4;\nshr.b32 u, {w}, 4;\nand.b32 u, u, 0x07000700;\n"
+    return (f"and.b32 {lo}, {w}, {KEEP8.value:#x};\nshl.b32 t, {w}, 4;\nshr.b32 u, {w}, 4;\n"
+            f"and.b32 u, u, {LOW8.value:#x};\n"
             f"lop3.b32 {hi}, t, u, m, 0xEC;\nmul.rn.bf16x2 {lo}, {lo}, {sc};\nmul.rn.bf16x2 {hi}, {hi}, {sc};\n")
 
 
@@ -109,7 +115,7 @@ def _decode8_mma(wg: str, wh: str, lo: str, hi: str, b0: str, b1: str, c: str) -
 
 
 MMA8_BLOCK_PTX = tl.constexpr(
-    "{\n.reg .b32 t, u, m, a0, a1, a2, a3;\nmov.b32 m, 0x80F080F0;\n"
+    f"{{\n.reg .b32 t, u, m, a0, a1, a2, a3;\nmov.b32 m, {TOP8.value:#x};\n"
     + _decode8_mma("$4", "$5", "$20", "$22", "$12", "$13", "$24, $25, $26, $27")
     + _decode8_mma("$6", "$7", "$20", "$22", "$14", "$15", _ACC)
     + _decode8_mma("$8", "$9", "$21", "$23", "$16", "$17", _ACC)
@@ -139,7 +145,7 @@ def _fp8_values(w, w_hi, NW: tl.constexpr):
     A word's bits as MMA8_BLOCK_PTX places them: bf16 pairs (K + 0, + 1) and (K + 2, + 3) of value * 2^-120."""
     wg, wh = _by_step(w, w_hi, NW)
     u = _rows_by_half(tl.join(wg, wh), NW).to(tl.uint32, bitcast=True)
-    p = tl.join(u & 0x87F087F0, ((u << 4) & 0x80F080F0) | ((u >> 4) & 0x07000700))
+    p = tl.join(u & KEEP8, ((u << 4) & TOP8) | ((u >> 4) & LOW8))
     lo, hi = bf16_halves(p, True)  # * 2^120 is exact (e4m3 subnormals are fp32 subnormals here, as e2m1's 0.5)
     return lo * 1329227995784915872903807060280344576.0, hi * 1329227995784915872903807060280344576.0
 
