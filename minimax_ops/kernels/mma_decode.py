@@ -34,9 +34,14 @@ import os
 import triton
 import triton.language as tl
 
+from ..formats import MMA8_SCALE_BIAS, MMA_SCALE_BIAS
 from .mx_decode import bf16_halves, mxfp4_word_pairs, mxfp4_words_ptx
 
 TOKENS = tl.constexpr(8)  # token columns of one mma (the B operand's N)
+# The decode places e4m3 / e2m1 values as bf16 bits of v * 2^-bias (formats.MMA8_SCALE_BIAS / MMA_SCALE_BIAS);
+# the emulation multiplies the bias back, exactly (e4m3 subnormals and e2m1's 0.5 are fp32 subnormals there).
+FP8_BIAS, FP4_BIAS = tl.constexpr(MMA8_SCALE_BIAS), tl.constexpr(MMA_SCALE_BIAS)
+FP8_UNBIAS, FP4_UNBIAS = tl.constexpr(2.0 ** MMA8_SCALE_BIAS), tl.constexpr(2.0 ** MMA_SCALE_BIAS)
 # Diagnostics only (wrong numerics), read once per process (benchmarks: what the decode and the mma cost).
 # MINIMAX_OPS_DIAG_NO_DECODE: blocks folded into the accumulator with XORs and converts instead of decoded
 # and multiplied, the loads kept; 1 (or mxfp4): mxfp4_mma blocks, mxfp8: mxfp8_mma blocks, all: both.
@@ -146,8 +151,8 @@ def _fp8_values(w, w_hi, NW: tl.constexpr):
     wg, wh = _by_step(w, w_hi, NW)
     u = _rows_by_half(tl.join(wg, wh), NW).to(tl.uint32, bitcast=True)
     p = tl.join(u & KEEP8, ((u << 4) & TOP8) | ((u >> 4) & LOW8))
-    lo, hi = bf16_halves(p, True)  # * 2^120 is exact (e4m3 subnormals are fp32 subnormals here, as e2m1's 0.5)
-    return lo * 1329227995784915872903807060280344576.0, hi * 1329227995784915872903807060280344576.0
+    lo, hi = bf16_halves(p, True)
+    return lo * FP8_UNBIAS, hi * FP8_UNBIAS
 
 
 @triton.jit
@@ -157,8 +162,8 @@ def _fp4_values(w, NW: tl.constexpr):
     p0, p1, p2, p3 = mxfp4_word_pairs(w.to(tl.uint32, bitcast=True))
     p = tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), [NW, 8, 4, 4, 2, 2])  # [.., j, h, q]
     p = tl.reshape(tl.permute(p, (0, 4, 1, 2, 3, 5)), [NW, 16, 4, 4, 2])
-    lo, hi = bf16_halves(p, True)  # the values * 2^-126; * 2^126 is exact
-    return lo * 85070591730234615865843651857942052864.0, hi * 85070591730234615865843651857942052864.0
+    lo, hi = bf16_halves(p, True)
+    return lo * FP4_UNBIAS, hi * FP4_UNBIAS
 
 
 @triton.jit
@@ -185,7 +190,7 @@ def _emulate(acc, w, w_hi, x0, x1, s, NW: tl.constexpr, FP8: tl.constexpr):
     b0, b1 = _by_step(x0, x1, NW)
     x_lo, x_hi = bf16_halves(tl.join(b0, b1).to(tl.uint32, bitcast=True), True)  # [NW, token, c, j, q]
     # scale of (row g + 8h, group j // 2) as fp32: 2^(s - 127), s = E - formats.MMA_SCALE_BIAS / MMA8_SCALE_BIAS
-    BIAS: tl.constexpr = 120 if FP8 else 126
+    BIAS: tl.constexpr = FP8_BIAS if FP8 else FP4_BIAS
     byte = tl.reshape(s, [NW, 8, 4, 4]).to(tl.int32)  # column e: byte 4g + e of the block, e = 2h + group
     sc = tl.max((((byte - BIAS) << 23).to(tl.float32, bitcast=True)), axis=2)  # [NW, 8, e]: equal over c
     sc = tl.reshape(tl.permute(tl.reshape(sc, [NW, 8, 2, 2]), (0, 2, 1, 3)), [NW, 16, 2])  # [NW, row, group]
