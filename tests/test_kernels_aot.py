@@ -2,11 +2,12 @@
 
 The check runs in a subprocess because the interpreter (TRITON_INTERPRET=1, set by conftest on
 CPU machines) replaces @triton.jit functions in this process; the real compiler needs them intact.
-conftest starts it in the background when its test is collected and runs that test last.
+conftest starts it in the background when its test is collected and runs that test (and its file) last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from minimax_ops.kernels.aot import TARGETS
+from minimax_ops.kernels.aot import EVERY_SPEC_IF_WGMMA, TARGETS
 from utils import ROOT, aot_env
 
 
@@ -27,8 +28,8 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_every_kernel_compiles_for_every_target(aot_background):
     assert aot_background is not None, "conftest starts the check when this test is collected"
-    returncode = aot_background["proc"].wait(timeout=1500)
-    report, log = Path(aot_background["report"]), Path(aot_background["log"]).read_text()[-6000:]
+    returncode = aot_background.wait(timeout=1500)
+    report, log = Path(aot_background.report), Path(aot_background.log).read_text()[-6000:]
     assert report.exists(), f"aot_check wrote no report (exit {returncode}):\n{log}"
     data = json.loads(report.read_text())
 
@@ -44,10 +45,16 @@ def test_every_kernel_compiles_for_every_target(aot_background):
                 for label in labels}
     for label, kernels in compiled.items():
         assert kernels, f"no kernel was compiled for {label}"
-        # a chip compiling a cover of the specs (aot.FULL_TARGETS) still compiles every kernel its backend does
+        # each chip compiles a cover of the specs (aot.cover), and still every kernel its backend does
         backend = label.split(":")[0]
         same_backend = set().union(*(k for other, k in compiled.items() if other.startswith(f"{backend}:")))
         assert kernels == same_backend, f"{label} misses {sorted(same_backend - kernels)}"
+    # where a compile issued wgmma (aot.EVERY_SPEC_IF_WGMMA), every spec of its kernel was compiled there
+    wanted = {(m, k, t): n for m, k, t, n in data["specs"]}
+    for module, kernel, label in {(r["module"], r["kernel"], r["target"]) for r in data["results"]
+                                  if r["wgmma"] and r["target"] in EVERY_SPEC_IF_WGMMA}:
+        done = sum((r["module"], r["kernel"], r["target"]) == (module, kernel, label) for r in data["results"])
+        assert done == wanted[module, kernel, label], f"{label} {module}.{kernel}: {done} specs compiled"
     assert returncode == 0, f"aot_check exited {returncode}:\n{log}"
 
 
@@ -128,13 +135,19 @@ def test_spec_targets_restrict_where_a_spec_compiles():
     assert [spec_wants(spec, t) for t in TARGETS] == [t[1] == "gfx950" for t in TARGETS]
 
 
-def test_other_chips_compile_a_cover_of_each_kernels_specs():
-    """A target outside aot.FULL_TARGETS compiles a subset of the specs in which each kernel still meets
-    every value each of its constexprs and num_warps takes (the AMD chips, each its own where ties allow);
-    the full targets compile every spec."""
-    from minimax_ops.kernels.aot import COVER_FROM_END, FULL_TARGETS, KernelSpec, cover
-    from minimax_ops.kernels.aot_check import compiled_on, target_label
-    a, b = object(), object()  # two kernels
+def test_each_target_compiles_a_cover_and_cuda_every_spec_of_a_wgmma_kernel():
+    """Each target compiles a subset of the specs in which each kernel still meets every value each of its
+    constexprs and num_warps takes (the AMD chips each their own where ties allow); on the targets of
+    aot.EVERY_SPEC_IF_WGMMA a compile that issued wgmma brings in the rest of its kernel's specs, once."""
+    from minimax_ops.kernels.aot import COVER_FROM_END, KernelSpec, cover
+    from minimax_ops.kernels.aot_check import Result, compiled_on, more_specs, target_label
+
+    def a():  # two kernels
+        pass
+
+    def b():
+        pass
+
     specs = [KernelSpec(a, {}, {"X": 1, "Y": True}, num_warps=4), KernelSpec(a, {}, {"X": 2, "Y": True}, num_warps=4),
              KernelSpec(a, {}, {"X": 1, "Y": False}, num_warps=4), KernelSpec(a, {}, {"X": 2, "Y": False}, num_warps=8),
              KernelSpec(b, {}, {"X": 1}, num_warps=4)]
@@ -147,10 +160,14 @@ def test_other_chips_compile_a_cover_of_each_kernels_specs():
     assert cover(twins) == [0] and cover(twins, from_end=True) == [1]
     for target in TARGETS:
         label = target_label(target)
-        assert compiled_on(specs, target) == (list(range(len(specs))) if label in FULL_TARGETS else chosen)
-        assert compiled_on(twins, target) == ([0, 1] if label in FULL_TARGETS else [1] if label in COVER_FROM_END
-                                              else [0])
-    assert "cuda:90" in FULL_TARGETS  # the GPU the kernels are timed on compiles every spec
+        assert compiled_on(specs, target) == chosen
+        assert compiled_on(twins, target) == ([1] if label in COVER_FROM_END else [0])
+        issued = Result("m", "spec0", "a", label, ok=True, wgmma=2)  # a compile of specs[0] that issued wgmma
+        assert more_specs(specs, issued, target, set(chosen)) == ([1, 2] if label in EVERY_SPEC_IF_WGMMA else [])
+        assert more_specs(specs, issued, target, {*chosen, 1, 2}) == []  # given once
+        for other in (dataclasses.replace(issued, wgmma=0), dataclasses.replace(issued, ok=False)):
+            assert more_specs(specs, other, target, set(chosen)) == []
+    assert "cuda:90" in EVERY_SPEC_IF_WGMMA  # where the race check's subject is compiled in every spec
     amd = [target_label(t) for t in TARGETS if t[0] == "hip"]
     assert set(COVER_FROM_END) <= set(amd) and any(label not in COVER_FROM_END for label in amd)  # two covers
 

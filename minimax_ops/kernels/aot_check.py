@@ -4,12 +4,15 @@
     python -m minimax_ops.kernels.aot_check norm moe        # only these modules
     python -m minimax_ops.kernels.aot_check --list          # what would be compiled, and coverage
     python -m minimax_ops.kernels.aot_check --target gfx942 --kernel rmsnorm -j 2 --json out.json
+    python -m minimax_ops.kernels.aot_check --target cuda --every-spec   # every spec's registers, not a cover
 
-Each kernel module lists its specialisations in ``aot_specs() -> list[KernelSpec]``; every one is
+Each kernel module lists its specialisations in ``aot_specs() -> list[KernelSpec]``; those compiled are
 run through the real compiler (``triton.compile(ASTSource(...), target=GPUTarget(...))``) down to
 a cubin (CUDA) or hsaco (HIP); each cubin is disassembled and refused if it writes a register an
-in-flight wgmma still reads (``wgmma_hazards``). The Triton interpreter replaces ``@triton.jit`` functions, so this
-must run with TRITON_INTERPRET unset (it re-executes itself without it).
+in-flight wgmma still reads (``wgmma_hazards``). Each target compiles a cover of each kernel's specs
+(``aot.cover``), and on CUDA every spec of a kernel whose compiles issue wgmma (``aot.EVERY_SPEC_IF_WGMMA``).
+The Triton interpreter replaces ``@triton.jit`` functions, so this must run with TRITON_INTERPRET unset (it
+re-executes itself without it).
 
 Coverage: every ``@triton.jit`` function defined in a kernel module must be listed in some spec or
 be called (directly or transitively) by a listed kernel; anything else is UNCOVERED and fails the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import concurrent.futures as futures
 import importlib
 import json
@@ -38,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 
 from . import cubin_resources, wgmma_hazards
-from .aot import COVER_FROM_END, FULL_TARGETS, TARGETS, cover
+from .aot import COVER_FROM_END, EVERY_SPEC_IF_WGMMA, TARGETS, cover
 
 PACKAGE = "minimax_ops.kernels"
 NOT_KERNEL_MODULES = {"aot", "aot_check", "cubin_resources", "wgmma_hazards"}
@@ -55,6 +59,7 @@ class Result:
     seconds: float = 0.0
     functions: list[str] = field(default_factory=list)  # symbols in the initial IR (kernel + helpers)
     resources: str = ""  # CUDA: a program's registers, stack and shared memory (cubin_resources)
+    wgmma: int = 0  # CUDA: wgmma instructions in the cubin
 
 
 # ---- discovery --------------------------------------------------------------------------------------------
@@ -121,6 +126,11 @@ def callees(fn) -> list[object]:
         if callee is not None:
             found.append(callee)
     return found
+
+
+def kernel_name(spec) -> str:
+    """The name of the function a spec compiles (under @triton.autotune / @triton.heuristics wrappers)."""
+    return getattr(unwrap(spec.kernel) or spec.kernel, "__name__", "?")
 
 
 def reachable(kernels) -> set[int]:
@@ -198,13 +208,20 @@ def spec_wants(spec, target: tuple) -> bool:
 
 
 def compiled_on(specs: list, target: tuple) -> list[int]:
-    """Indices of the specs compiled for target: those that want it, all of them on aot.FULL_TARGETS,
-    elsewhere their aot.cover (taken from the list's end on aot.COVER_FROM_END)."""
+    """Indices of the specs first compiled for target: the aot.cover of those that want it (taken from the
+    list's end on aot.COVER_FROM_END). ``more_specs`` adds the rest of a kernel's where its compiles issue wgmma."""
     wanted = [i for i, s in enumerate(specs) if spec_wants(s, target)]
-    label = target_label(target)
-    if label in FULL_TARGETS:
-        return wanted
-    return [wanted[j] for j in cover([specs[i] for i in wanted], from_end=label in COVER_FROM_END)]
+    return [wanted[j] for j in cover([specs[i] for i in wanted], from_end=target_label(target) in COVER_FROM_END)]
+
+
+def more_specs(specs: list, result: Result, target: tuple, given: set[int]) -> list[int]:
+    """After ``result`` (a compile of one of ``specs`` for ``target``): if it issued wgmma on a target in
+    aot.EVERY_SPEC_IF_WGMMA, the indices of its kernel's other specs that want the target and are not in
+    ``given`` (the indices compiled or queued for it so far), else none."""
+    if not (result.ok and result.wgmma and target_label(target) in EVERY_SPEC_IF_WGMMA):
+        return []
+    return [i for i, s in enumerate(specs) if i not in given and spec_wants(s, target)
+            and kernel_name(s) == result.kernel]
 
 
 def full_signature(spec) -> dict[str, str]:
@@ -241,9 +258,9 @@ def constexpr_values(spec) -> dict[str, object]:
 _IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
 
 
-def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resources | None]:
+def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resources | None, int]:
     """Compile down to the target's binary; returns the function symbols of the initial IR and, for CUDA, what
-    one program holds (cubin_resources)."""
+    one program holds (cubin_resources) and how many wgmma instructions it issues."""
     import triton
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
@@ -262,15 +279,15 @@ def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resour
         raise RuntimeError(f"compiled without producing a {binary}")
     if "maxnreg" in options and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
         raise RuntimeError(f"the register cap {spec.max_registers} did not reach the PTX")
-    resources = None
+    resources, wgmma = None, 0
     if target[0] == "cuda":
-        hazards = wgmma_hazards.check_cubin(compiled.asm["cubin"])
+        hazards, wgmma = wgmma_hazards.check_cubin(compiled.asm["cubin"])
         if hazards:
             raise RuntimeError(f"wgmma register race: {len(hazards)} writes to in-flight A registers, first "
                                f"{hazards[0]}")
         resources = cubin_resources.cubin_resources(compiled.asm["cubin"], compiled.metadata.name,
                                                     compiled.metadata.shared, spec.num_warps)
-    return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or "")), resources
+    return _IR_FUNC.findall(str(compiled.asm.get("source") or compiled.asm.get("ttir") or "")), resources, wgmma
 
 
 class CapturedStderr:
@@ -302,13 +319,12 @@ def run_one(module: str, index: int, target: tuple) -> Result:
     if module not in _LOADED:
         _LOADED[module] = load(module)
     spec = _LOADED[module].specs[index]
-    kernel = unwrap(spec.kernel)
-    result = Result(module, spec.label(), getattr(kernel, "__name__", "?"), target_label(target), False)
+    result = Result(module, spec.label(), kernel_name(spec), target_label(target), False)
     start = time.perf_counter()
     captured = CapturedStderr()
     try:
         with captured:
-            result.functions, resources = compile_spec(spec, target)
+            result.functions, resources, result.wgmma = compile_spec(spec, target)
         result.ok = True
         result.resources = str(resources or "")
     except Exception as e:
@@ -329,6 +345,38 @@ def one_line(error: str) -> str:
     return lines[-1][:240] if lines else ""
 
 
+def specs_per_kernel(loaded: list[ModuleSpecs], targets: list[tuple]) -> list[tuple[str, str, str, int]]:
+    """(module, kernel, target, how many of the kernel's specs want the target), for the JSON report."""
+    count = collections.Counter((m.name, kernel_name(s), target_label(t)) for m in loaded for s in m.specs
+                                for t in targets if spec_wants(s, t))
+    return [(*key, n) for key, n in sorted(count.items())]
+
+
+def compile_all(tasks: list[tuple], jobs: int, follow_ups):
+    """Results of the (module, spec index, target) tasks, as they finish, and of the tasks
+    ``follow_ups(result, task)`` adds for each, on ``jobs`` processes."""
+    if jobs == 1:
+        queue = collections.deque(tasks)
+        while queue:
+            task = queue.popleft()
+            result = run_one(*task)
+            queue.extend(follow_ups(result, task))
+            yield result
+        return
+    # spawn: fresh interpreters with this environment (no interpreter, private cache); the importable
+    # module's run_one (this file may be running as __main__)
+    worker = importlib.import_module(f"{PACKAGE}.aot_check").run_one
+    with futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = {pool.submit(worker, *task): task for task in tasks}
+        while pending:
+            done, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+            for future in done:
+                task = pending.pop(future)
+                result = future.result()
+                pending.update({pool.submit(worker, *more): more for more in follow_ups(result, task)})
+                yield result
+
+
 # ---- command line -----------------------------------------------------------------------------------------
 
 
@@ -340,6 +388,8 @@ def parse_args(argv):
     p.add_argument("--kernel", default="", help="only specs whose label or kernel name contains this")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiler processes")
     p.add_argument("--json", metavar="PATH", help="also write results and coverage as JSON")
+    p.add_argument("--every-spec", action="store_true",
+                   help="compile every spec for every target (default: each target a cover, see aot.cover)")
     p.add_argument("--keep-cache", action="store_true",
                    help="use the normal Triton cache (default: a fresh temporary one, so everything really compiles)")
     return p.parse_args(argv)
@@ -360,13 +410,26 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for t in TARGETS if not args.target or any(f in target_label(t) for f in args.target)]
     if not targets:
         raise SystemExit(f"--target {args.target} matches none of {[target_label(t) for t in TARGETS]}")
+    def selected(spec) -> bool:
+        return (not args.kernel or args.kernel in spec.label()
+                or args.kernel in kernel_name(spec))
+
     tasks = []  # (module, spec index, target), by module, spec, target
     for m in loaded:
-        on = {t: set(compiled_on(m.specs, t)) for t in targets}
-        tasks += [(m.name, i, t) for i, s in enumerate(m.specs)
-                  if not args.kernel or args.kernel in s.label()
-                  or args.kernel in getattr(unwrap(s.kernel), "__name__", "")
-                  for t in targets if i in on[t]]
+        on = {t: set(range(len(m.specs)) if args.every_spec else compiled_on(m.specs, t)) for t in targets}
+        tasks += [(m.name, i, t) for i, s in enumerate(m.specs) if selected(s)
+                  for t in targets if i in on[t] and spec_wants(s, t)]
+    given: dict[tuple, set[int]] = {}  # (module, target) -> the spec indices compiled or queued for it
+    for name, i, t in tasks:
+        given.setdefault((name, t), set()).add(i)
+
+    def follow_ups(result: Result, task: tuple) -> list[tuple]:
+        name, _, target = task
+        specs = _LOADED[name].specs
+        more = [i for i in more_specs(specs, result, target, given.setdefault((name, target), set()))
+                if selected(specs[i])]
+        given[(name, target)].update(more)
+        return [(name, i, target) for i in more]
     broken = [m for m in loaded if m.error]
     missing = uncovered(loaded)
 
@@ -377,10 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, i in dict.fromkeys((name, i) for name, i, _ in tasks):
             s = _LOADED[name].specs[i]
             only = [target_label(t) for n, j, t in tasks if (n, j) == (name, i)]
-            print(f"  {name}.{s.label()}  kernel={getattr(unwrap(s.kernel), '__name__', '?')}  "
+            print(f"  {name}.{s.label()}  kernel={kernel_name(s)}  "
                   f"num_warps={s.num_warps} num_stages={s.num_stages} constexprs={s.constexprs}"
                   + ("" if len(only) == len(targets) else f"  targets={only}"))
-        print(f"{len({(n, i) for n, i, _ in tasks})} specs, {len(tasks)} compiles over {len(targets)} targets")
+        print(f"{len({(n, i) for n, i, _ in tasks})} specs, {len(tasks)} compiles over {len(targets)} targets"
+              + ("" if args.every_spec else f"; on {', '.join(EVERY_SPEC_IF_WGMMA)} every other spec of a kernel "
+                 "whose compiles issue wgmma follows"))
     for u in missing:
         print(f"UNCOVERED {u}: not in any aot_specs() and not called by a listed kernel")
     if args.list:
@@ -390,20 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minimax_aot_")
     results: list[Result] = []
     start = time.perf_counter()
-    jobs = max(1, min(args.jobs, len(tasks)))
-    if jobs == 1:
-        outcomes = (run_one(*task) for task in tasks)
-    else:  # spawn: fresh interpreters with this environment (no interpreter, private cache)
-        # Submit the importable module's run_one (this file may be running as __main__).
-        worker = importlib.import_module(f"{PACKAGE}.aot_check").run_one
-        pool = futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-        outcomes = (f.result() for f in [pool.submit(worker, *task) for task in tasks])
-    for r in outcomes:
+    for r in compile_all(tasks, max(1, min(args.jobs, len(tasks))), follow_ups):
         results.append(r)
         status = (f"ok {r.resources}" if r.resources else "ok") if r.ok else f"FAILED {one_line(r.error)}"
-        print(f"{r.target:<11} {r.module}.{r.name} ({r.kernel}) {r.seconds:5.1f}s {status}", flush=True)
-    if jobs > 1:
-        pool.shutdown()
+        wgmma = f" wgmma {r.wgmma}" if r.wgmma else ""
+        print(f"{r.target:<11} {r.module}.{r.name} ({r.kernel}) {r.seconds:5.1f}s {status}{wgmma}", flush=True)
 
     failed = [r for r in results if not r.ok]
     # With --kernel only some specs ran, so "never generated" would say nothing.
@@ -422,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"results": [asdict(r) for r in results], "uncovered": missing, "never_generated": unused,
                        "broken": {m.name: m.error for m in broken}, "targets": [target_label(t) for t in targets],
-                       "modules": {m.name: sorted(m.jit) for m in loaded}}, f, indent=1)
+                       "modules": {m.name: sorted(m.jit) for m in loaded},
+                       "specs": specs_per_kernel(loaded, targets)}, f, indent=1)
     return 1 if failed or missing or broken else 0
 
 

@@ -76,8 +76,8 @@ def bundled_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def run_on_cubin(tool_name: str, option: str, cubin: bytes) -> str:
-    """The standard output of Triton's bundled ``tool_name`` run with ``option`` on a cubin (written to a
+def run_on_cubin(tool_name: str, *options: str, cubin: bytes) -> str:
+    """The standard output of Triton's bundled ``tool_name`` run with ``options`` on a cubin (written to a
     temporary file); RuntimeError if the tool is not there."""
     tool = bundled_tool(tool_name)
     if tool is None:
@@ -85,12 +85,12 @@ def run_on_cubin(tool_name: str, option: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *options, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def cubin_resources(cubin: bytes, name: str, dynamic_shared: int, num_warps: int) -> Resources:
     """The resources of kernel ``name`` in a cubin; dynamic_shared is Triton's (the compiled metadata's)."""
-    usage = parse_resource_usage(run_on_cubin("cuobjdump", "--dump-resource-usage", cubin))
+    usage = parse_resource_usage(run_on_cubin("cuobjdump", "--dump-resource-usage", cubin=cubin))
     if name not in usage:
         raise RuntimeError(f"cuobjdump lists no function {name!r} (it lists {sorted(usage)})")
     u = usage[name]
