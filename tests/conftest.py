@@ -106,11 +106,17 @@ class AotRun:
     def wait(self, timeout: float) -> int:
         """The check's exit status, once it has ended (TimeoutError after ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
-        while not os.path.exists(self.rc) or not open(self.rc).read():
+        while not (status := self._status()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the AOT check did not end in {timeout:.0f} s (log: {self.log})")
             time.sleep(2)
-        return int(open(self.rc).read())
+        return int(status)
+
+    def _status(self) -> str:
+        if not os.path.exists(self.rc):
+            return ""
+        with open(self.rc) as f:
+            return f.read()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:  # (a run stopped early: -x, ^C)

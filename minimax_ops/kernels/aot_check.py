@@ -207,10 +207,13 @@ def spec_wants(spec, target: tuple) -> bool:
     return not wanted or any(w in target_label(target) for w in wanted)
 
 
-def compiled_on(specs: list, target: tuple) -> list[int]:
+def compiled_on(specs: list, target: tuple, every: bool = False) -> list[int]:
     """Indices of the specs first compiled for target: the aot.cover of those that want it (taken from the
-    list's end on aot.COVER_FROM_END). ``more_specs`` adds the rest of a kernel's where its compiles issue wgmma."""
+    list's end on aot.COVER_FROM_END), or with ``every`` all of them. ``more_specs`` adds the rest of a kernel's
+    where its compiles issue wgmma."""
     wanted = [i for i, s in enumerate(specs) if spec_wants(s, target)]
+    if every:
+        return wanted
     return [wanted[j] for j in cover([specs[i] for i in wanted], from_end=target_label(target) in COVER_FROM_END)]
 
 
@@ -416,9 +419,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tasks = []  # (module, spec index, target), by module, spec, target
     for m in loaded:
-        on = {t: set(range(len(m.specs)) if args.every_spec else compiled_on(m.specs, t)) for t in targets}
-        tasks += [(m.name, i, t) for i, s in enumerate(m.specs) if selected(s)
-                  for t in targets if i in on[t] and spec_wants(s, t)]
+        on = {t: set(compiled_on(m.specs, t, every=args.every_spec)) for t in targets}
+        tasks += [(m.name, i, t) for i, s in enumerate(m.specs) if selected(s) for t in targets if i in on[t]]
     given: dict[tuple, set[int]] = {}  # (module, target) -> the spec indices compiled or queued for it
     for name, i, t in tasks:
         given.setdefault((name, t), set()).add(i)
@@ -426,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     def follow_ups(result: Result, task: tuple) -> list[tuple]:
         name, _, target = task
         specs = _LOADED[name].specs
-        more = [i for i in more_specs(specs, result, target, given.setdefault((name, target), set()))
-                if selected(specs[i])]
+        more = [i for i in more_specs(specs, result, target, given[(name, target)]) if selected(specs[i])]
         given[(name, target)].update(more)
         return [(name, i, target) for i in more]
     broken = [m for m in loaded if m.error]

@@ -125,7 +125,10 @@ def _step(ins: Instruction, state: _State, hazards: dict) -> _State:
 
 def find_hazards(sass: str) -> list[Hazard]:
     """Every write to a register an in-flight register-A wgmma still reads, over all paths."""
-    code, labels = parse(sass)
+    return _hazards(*parse(sass))
+
+
+def _hazards(code: list[Instruction], labels: dict[str, int]) -> list[Hazard]:
     hazards: dict = {}
     seen: set[tuple[int, _State]] = set()
     work = [(0, _State())]
@@ -155,6 +158,5 @@ def cubin_sass(cubin: bytes) -> str:
 
 def check_cubin(cubin: bytes) -> tuple[list[Hazard], int]:
     """The cubin's hazards, and how many wgmma instructions it issues (where a hazard can arise)."""
-    sass = cubin_sass(cubin)
-    code, _ = parse(sass)
-    return find_hazards(sass), sum(ins.text.startswith("HGMMA") for ins in code)
+    code, labels = parse(cubin_sass(cubin))
+    return _hazards(code, labels), sum(ins.text.startswith("HGMMA") for ins in code)
