@@ -67,6 +67,9 @@ def _attention_split_kernel(
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
+    tag = 0
+    if FLAG:  # (final before this kernel launched: read first, its round trip under the rest)
+        tag = flag_tag(epoch_ptr)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,9 +115,6 @@ def _attention_split_kernel(
         # index_topk's selection from the scores (read after the wait: the indexer wrote them; FLAG: polled
         # until they carry this call's tag); unique ids, -1 past min(nb, topk), so there are no repeats to skip.
         kk = tl.arange(0, BLOCK_TOPK)
-        tag = 0
-        if FLAG:
-            tag = flag_tag(epoch_ptr)
         selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
                                       num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK, tag, FLAG)
         if FLAG and PDL:  # (its dependents come in once every split has its selection)

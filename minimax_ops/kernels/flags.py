@@ -38,6 +38,8 @@ def epoch(device: torch.device) -> torch.Tensor:
     """The device's int32 [1] epoch counter, made at the first call outside a CUDA graph capture (one made
     inside a capture would be zeroed again at every replay, so an earlier replay's words would pass)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one counter per GPU, however the device is named
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _EPOCHS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("flags.epoch: the flagged handoff's counter is made outside a CUDA graph capture "
