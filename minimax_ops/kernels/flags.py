@@ -96,8 +96,10 @@ def bump_epoch(epoch_ptr):
 def flagged_specs(specs: list[KernelSpec], wanted,
                   variants: dict[str, tuple[dict, tuple[str, ...]]]) -> list[KernelSpec]:
     """CUDA-only copies of the PDL specs ``wanted`` picks (the flagged forms run only as programmatic dependents),
-    one per variant: name suffix -> (constexprs to set, pointer arguments that hold int64 flagged words)."""
-    return [replace(s, constexprs={**s.constexprs, **set_}, signature={**s.signature, **{p: "*i64" for p in words}},
+    one per variant: name suffix -> (constexprs to set, pointer arguments that hold int64 flagged words). Their
+    epoch_ptr is the int32 counter (unflagged launches pass a stand-in of another type, never read)."""
+    return [replace(s, constexprs={**s.constexprs, **set_},
+                    signature={**s.signature, "epoch_ptr": "*i32", **{p: "*i64" for p in words}},
                     name=f"{s.label()}_{suffix}", targets=("cuda",))
             for s in specs if s.constexprs.get("PDL") and wanted(s) for suffix, (set_, words) in variants.items()]
 

@@ -173,7 +173,7 @@ def aot_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(
                 _rmsnorm_kernel,
                 {"x_ptr": x_type, "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
-                 "res_out_ptr": "*bf16", "epoch_ptr": "*i32", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
+                 "res_out_ptr": "*bf16", "epoch_ptr": x_type, "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
                  "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
                 {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False, "BUMP": False},
                 num_warps=_num_warps(block_h),
