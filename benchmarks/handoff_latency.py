@@ -14,9 +14,13 @@ reading what another program of the previous kernel wrote, handed off four ways:
   launch. The epoch is a device counter bumped once before each chain, as a decode step would;
 - ``flag_early``: ``flag`` with the dependents let launch before the poll.
 
-Each chain's final values are checked (a handoff that let a program read too early shows as a wrong count).
+Each program reads 256 values; with ``--fan-in F`` value j comes from program (p + 1 + j % F) of the previous
+kernel, so that a program waits for F producers (the fused layer's attention splits read the scores of 256 score
+programs). Each chain's final values are checked (a handoff that let a program read too early shows as a wrong
+count).
 
-    PYTHONPATH=$PWD python3 benchmarks/handoff_latency.py [--programs 132,264] [--kernels 20]
+    PYTHONPATH=$PWD python3 benchmarks/handoff_latency.py [--programs 132,264] [--kernels 20] [--fan-in 1,32,256]
+                                                          [--modes pdl,flag]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ MODES = ("plain", "pdl", "spin", "spin_early", "flag", "flag_early")
 
 @triton.jit
 def _step_kernel(x_ptr, y_ptr, arrive_in, passed_in, arrive_out, WAIT: tl.constexpr, SPIN: tl.constexpr,
-                 EARLY: tl.constexpr, BLOCK: tl.constexpr):
+                 EARLY: tl.constexpr, BLOCK: tl.constexpr, FAN: tl.constexpr = 1):
     pid = tl.program_id(0)
     n = tl.num_programs(0)
     if SPIN:
@@ -56,7 +60,7 @@ def _step_kernel(x_ptr, y_ptr, arrive_in, passed_in, arrive_out, WAIT: tl.conste
         gdc_wait()
         gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
-    src = (pid + 1) % n  # another program's values: the handoff must make them visible
+    src = (pid + 1 + offs % FAN) % n  # other programs' values: the handoff must make them visible
     v = tl.load(x_ptr + src * BLOCK + offs, cache_modifier=".cg")
     tl.store(y_ptr + pid * BLOCK + offs, v + 1)
     if SPIN:
@@ -65,7 +69,7 @@ def _step_kernel(x_ptr, y_ptr, arrive_in, passed_in, arrive_out, WAIT: tl.conste
 
 
 @triton.jit
-def _flag_step_kernel(x_ptr, y_ptr, epoch_ptr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
+def _flag_step_kernel(x_ptr, y_ptr, epoch_ptr, EARLY: tl.constexpr, BLOCK: tl.constexpr, FAN: tl.constexpr = 1):
     """One kernel of a ``flag`` chain: x and y hold int64 words (epoch << 32 | value)."""
     pid = tl.program_id(0)
     n = tl.num_programs(0)
@@ -73,7 +77,7 @@ def _flag_step_kernel(x_ptr, y_ptr, epoch_ptr, EARLY: tl.constexpr, BLOCK: tl.co
     if EARLY:
         gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
-    src = (pid + 1) % n  # another program's values: the flags must make them visible
+    src = (pid + 1 + offs % FAN) % n  # other programs' values: the flags must make them visible
     ptrs = x_ptr + src * BLOCK + offs
     w = tl.load(ptrs, volatile=True)
     while tl.min(((w >> 32) == epoch).to(tl.int32), 0) == 0:
@@ -84,7 +88,7 @@ def _flag_step_kernel(x_ptr, y_ptr, epoch_ptr, EARLY: tl.constexpr, BLOCK: tl.co
     tl.store(y_ptr + pid * BLOCK + offs, (epoch << 32) | v)
 
 
-def flag_chain(programs: int, kernels: int, early: bool, block: int = 256):
+def flag_chain(programs: int, kernels: int, early: bool, block: int = 256, fan: int = 1):
     """(run, check) of a ``flag`` chain: run bumps the epoch, seeds the first words, launches the chain."""
     bufs = [torch.zeros(programs * block, dtype=torch.int64, device="cuda") for _ in range(2)]
     epoch = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -94,7 +98,8 @@ def flag_chain(programs: int, kernels: int, early: bool, block: int = 256):
         bufs[0].copy_((epoch.to(torch.int64) << 32).expand_as(bufs[0]))
         for i in range(kernels):
             x, y = bufs[i % 2], bufs[(i + 1) % 2]
-            _flag_step_kernel[(programs,)](x, y, epoch, EARLY=early, BLOCK=block, num_warps=4, launch_pdl=i > 0)
+            _flag_step_kernel[(programs,)](x, y, epoch, EARLY=early, BLOCK=block, FAN=fan, num_warps=4,
+                                           launch_pdl=i > 0)
         return bufs[kernels % 2]
 
     def check() -> bool:
@@ -105,10 +110,10 @@ def flag_chain(programs: int, kernels: int, early: bool, block: int = 256):
     return run, check
 
 
-def chain(mode: str, programs: int, kernels: int, block: int = 256):
+def chain(mode: str, programs: int, kernels: int, block: int = 256, fan: int = 1):
     """(run, check): run launches the chain; check says whether its values are right."""
     if mode.startswith("flag"):
-        return flag_chain(programs, kernels, mode == "flag_early", block)
+        return flag_chain(programs, kernels, mode == "flag_early", block, fan)
     bufs = [torch.zeros(programs * block, dtype=torch.int32, device="cuda") for _ in range(2)]
     counters = torch.zeros(2 * (kernels + 1), dtype=torch.int32, device="cuda")
     spin, pdl = mode.startswith("spin"), mode != "plain"
@@ -122,7 +127,7 @@ def chain(mode: str, programs: int, kernels: int, block: int = 256):
             if spin and i == 0:
                 counters[0].fill_(programs)
             _step_kernel[(programs,)](x, y, counters[2 * i:], counters[2 * i + 1:], counters[2 * i + 2:],
-                                      WAIT=pdl, SPIN=spin, EARLY=mode == "spin_early", BLOCK=block,
+                                      WAIT=pdl, SPIN=spin, EARLY=mode == "spin_early", BLOCK=block, FAN=fan,
                                       num_warps=4, launch_pdl=pdl and i > 0)
         return bufs[kernels % 2]
 
@@ -139,16 +144,18 @@ def main() -> None:
     ap.add_argument("--programs", default="132,264")
     ap.add_argument("--kernels", type=int, default=20)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--fan-in", default="1", help="programs of the previous kernel each program reads from")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, chains of {args.kernels} kernels in one CUDA graph")
-    print("| programs | mode | us per kernel | values right |")
-    print("|---|---|---|---|")
+    print("| programs | fan-in | mode | us per kernel | values right |")
+    print("|---|---|---|---|---|")
     for programs in (int(p) for p in args.programs.split(",")):
-        for mode in args.modes.split(","):
-            run, check = chain(mode, programs, args.kernels)
-            ok = check()
-            us = _time(run, graph=True) / args.kernels
-            print(f"| {programs} | {mode} | {us:.2f} | {ok and check()} |", flush=True)
+        for fan in (int(f) for f in args.fan_in.split(",")):
+            for mode in args.modes.split(","):
+                run, check = chain(mode, programs, args.kernels, fan=fan)
+                ok = check()
+                us = _time(run, graph=True) / args.kernels
+                print(f"| {programs} | {fan} | {mode} | {us:.2f} | {ok and check()} |", flush=True)
 
 
 if __name__ == "__main__":
