@@ -57,7 +57,9 @@ def _flagged_handoffs(x: torch.Tensor) -> int:
     waits; 1: the score pass's to the splits, 2: also the splits' to the merge; 0 (default): none. Not measured
     yet (BENCHMARKS.md, fifty-second session)."""
     level = os.environ.get("MINIMAX_OPS_FLAGGED_HANDOFF", "0")
-    if level not in ("0", "1", "2"):
+    if level == "0":  # (the default: nothing else to ask)
+        return 0
+    if level not in ("1", "2"):
         raise ValueError(f"MINIMAX_OPS_FLAGGED_HANDOFF: expected 0, 1 or 2, got {level!r}")
     return int(level) if x.shape[0] == 1 and norm.pdl_supported(x.device) else 0
 
