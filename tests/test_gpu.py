@@ -9,7 +9,6 @@ import torch
 import minimax_ops  # noqa: F401
 from minimax_ops.cache import allocate_caches, build_step, request_block_ids
 from minimax_ops.config import preset
-from minimax_ops.kernels import flags
 from minimax_ops.model import MiniMaxM3DecoderLayer, MiniMaxM3ForCausalLM
 from minimax_ops.ops import fused as fused_ops
 from minimax_ops.reference_model import layer_forward, model_forward
@@ -257,37 +256,6 @@ def test_one_token_step_against_its_switch(switch, experts, monkeypatch):
         mismatches += int(not torch.equal(out, first))
     torch.cuda.synchronize()
     assert mismatches == 0 and rel(first, want) < 2e-2
-
-
-@pytest.mark.parametrize("level", ["1", "2"])
-def test_one_token_step_with_flagged_handoffs_gives_the_grid_waits_bits(level, monkeypatch):
-    """The one-token fused layer with MINIMAX_OPS_FLAGGED_HANDOFF=1|2 (kernels/flags.py: the attention's score pass
-    -> splits, and 2: splits -> merge, handed over by flagged words instead of grid waits) against 0: the same output,
-    residual and caches bit for bit (the same selection and products); a captured graph of it replays 1000 times
-    to those bits, and the flag epoch advances once a replay."""
-    *_, layer, cache, meta, x, res, _, _ = _setup("real", 3, "mxfp8", "mxfp4", "separate", FP8, FP8, "kernel",
-                                                  contexts=[33000], query_len=1, seed=21, pad_requests=0)
-    runs = {}
-    for value in ("0", level):
-        monkeypatch.setenv("MINIMAX_OPS_FLAGGED_HANDOFF", value)
-        written = cache.clone()
-        runs[value] = (*layer.fused_forward(x, res, meta.positions, written, meta), written)
-        torch.cuda.synchronize()
-    (out0, res0, cache0), (out1, res1, cache1) = runs["0"], runs[level]
-    assert torch.isfinite(out0.float()).all()
-    assert same_bytes(out0, out1) and same_bytes(res0, res1)
-    assert same_bytes(cache0.kv, cache1.kv) and same_bytes(cache0.index, cache1.index)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, out_res = layer.fused_forward(x, res, meta.positions, cache1, meta)
-    epoch = flags.epoch(x.device)
-    before = int(epoch.item())
-    mismatches = 0
-    for _ in range(1000):
-        graph.replay()
-        mismatches += int(not torch.equal(out, out0)) + int(not torch.equal(out_res, res0))
-    torch.cuda.synchronize()
-    assert mismatches == 0 and int(epoch.item()) == before + 1000
 
 
 @pytest.mark.parametrize("experts", ["mxfp4", "mxfp8"])

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .flags import check_epoch, flag_tag, flag_words, flagged_specs, poll_words
 from .index_topk import select_blocks_row, topk_widths
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
@@ -53,23 +52,18 @@ _INTERPRETER_PROGRAMS = 8  # small interpreted grids that still exercise several
 
 @triton.jit
 def _attention_split_kernel(
-        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr, epoch_ptr,
+        q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, select_ptr, part_acc_ptr, part_ml_ptr,
         stride_qn, stride_qh, stride_kb, stride_kh, stride_ks, stride_bt, stride_in, stride_ih,
         num_sparse_tiles, num_splits, qk_scale, v_scale,
         QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr, DENSE: tl.constexpr,
         SELECT: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, PAGES: tl.constexpr, F16: tl.constexpr,
-        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False, FLAG: tl.constexpr = 0):
+        DOT_FP32: tl.constexpr, PDL: tl.constexpr, PAGES_FIRST: tl.constexpr = False):
     # select_ptr (strides stride_in, stride_ih): sparse, int32 block ids [n, KVH, topk]; SELECT, the
-    # indexer's fp32 block scores [n, KVH, W] (FLAG: as int64 flagged words, polled instead of a grid wait:
-    # flags.py); dense, never read. num_sparse_tiles = topk tiles per block. FLAG 2: the partials stored as
-    # flagged words too (the merge polls them).
+    # indexer's fp32 block scores [n, KVH, W]; dense, never read. num_sparse_tiles = topk tiles per block.
     if PDL and DENSE:  # launched as a programmatic dependent: wait for the previous kernel's outputs (q)
         gdc_wait()
         gdc_launch_dependents()
-    tag = 0
-    if FLAG:  # (final before this kernel launched: read first, its round trip under the rest)
-        tag = flag_tag(epoch_ptr)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,20 +99,18 @@ def _attention_split_kernel(
         # the wait, so that a selection from a row of up to PAGES blocks finds its pages in registers.
         near = tl.arange(0, PAGES)
         near_pages = tl.load(block_table_ptr + req * stride_bt + near, mask=near < tl.minimum(nb, PAGES), other=-1)
-    if PDL and not DENSE and not FLAG:
+    if PDL and not DENSE:
         # The sparse chain's previous kernel is the indexer: only the block ids are its output. q and
         # the new token's k / v come from the launch before it, complete once the indexer started, so
         # they are read before the wait (everything this kernel stores still comes after it).
         gdc_wait()
         gdc_launch_dependents()
     if SELECT:
-        # index_topk's selection from the scores (read after the wait: the indexer wrote them; FLAG: polled
-        # until they carry this call's tag); unique ids, -1 past min(nb, topk), so there are no repeats to skip.
+        # index_topk's selection from the scores (read after the wait: the indexer wrote them); unique
+        # ids, -1 past min(nb, topk), so there are no repeats to skip.
         kk = tl.arange(0, BLOCK_TOPK)
         selection = select_blocks_row(select_ptr + tok.to(tl.int64) * stride_in + kv_head * stride_ih, nb,
-                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK, tag, FLAG)
-        if FLAG and PDL:  # (its dependents come in once every split has its selection)
-            gdc_launch_dependents()
+                                      num_sparse_tiles // TILES_PER_BLOCK, BLOCK_TOPK, SHORT, CHUNK)
     elif not DENSE:
         # The token's whole selection, to skip repeats: attention is over the union of the blocks.
         kk = tl.arange(0, BLOCK_TOPK)
@@ -176,32 +168,20 @@ def _attention_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     row = ((tok * num_heads + kv_head * GROUP + g).to(tl.int64)) * num_splits + split  # [n, H, S] index
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_scale, mask=g_ok[:, None])
     parts = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
-    if FLAG == 2:
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                 flag_words(tag, (acc * v_scale).to(tl.int32, bitcast=True)), mask=g_ok[:, None])
-        tl.store(part_ml_ptr + row, flag_words(tag, m_i.to(tl.int32, bitcast=True)), mask=g_ok)
-        tl.store(part_ml_ptr + parts + row, flag_words(tag, l_i.to(tl.int32, bitcast=True)), mask=g_ok)
-    else:
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc * v_scale, mask=g_ok[:, None])
-        tl.store(part_ml_ptr + row, m_i, mask=g_ok)
-        tl.store(part_ml_ptr + parts + row, l_i, mask=g_ok)
+    tl.store(part_ml_ptr + row, m_i, mask=g_ok)
+    tl.store(part_ml_ptr + parts + row, l_i, mask=g_ok)
 
 
 @triton.jit
-def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, epoch_ptr, num_splits, stride_on,
-                            HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr,
-                            FLAG: tl.constexpr = False):
-    # FLAG: the partials are int64 flagged words (flags.py), polled instead of a grid wait.
+def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_on,
+                            HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         # The next kernel (o_proj) may launch first: it waits for this one's completion itself, and
         # reads its first weight step in the meantime.
         gdc_launch_dependents()
-        if not FLAG:
-            gdc_wait()
-    tag = 0
-    if FLAG:
-        tag = flag_tag(epoch_ptr)
+        gdc_wait()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -218,17 +198,9 @@ def _attention_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, epoch_ptr, num_s
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         ok = s0 + s < num_splits
-        if FLAG:
-            a = poll_words(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], ok[:, None], tag)
-            a = a.to(tl.float32, bitcast=True)
-            l = poll_words(part_ml_ptr + parts + base + s0 + s, ok, tag).to(tl.float32, bitcast=True)
-            m = tl.where(ok, poll_words(part_ml_ptr + base + s0 + s, ok, tag).to(tl.float32, bitcast=True),
-                         float("-inf"))
-        else:
-            a = tl.load(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
-                        other=0.0)
-            l = tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
-            m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
+        a = tl.load(part_acc_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        l = tl.load(part_ml_ptr + parts + base + s0 + s, mask=ok, other=0.0)
+        m = tl.load(part_ml_ptr + base + s0 + s, mask=ok, other=float("-inf"))
         m_new = tl.maximum(m_run, tl.max(m, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_safe)  # 0 while nothing was seen
@@ -299,9 +271,8 @@ def _check_common(q, kv_cache, block_table, seq_lens, query_len):
 
 
 def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl, block_ids=None,
-            scores=None, topk=0, epoch=None, flag_partials=False):
-    """Split + merge launches. The selection: block_ids (sparse), scores + topk (SELECT), neither (dense).
-    epoch (SELECT): the scores are flagged words (flags.py); flag_partials: so are the splits' partials."""
+            scores=None, topk=0):
+    """Split + merge launches. The selection: block_ids (sparse), scores + topk (SELECT), neither (dense)."""
     n, heads, dim = q.shape
     kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
     group = heads // kv_heads
@@ -321,16 +292,14 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
     num_splits = max(1, min(num_splits, max_tiles))
     if not dense:  # drop splits that would get no tile
         num_splits = triton.cdiv(sparse_tiles, triton.cdiv(sparse_tiles, num_splits))
-    flag = 0 if epoch is None else 2 if flag_partials else 1
-    part_t = torch.int64 if flag == 2 else torch.float32  # (flagged words of the fp32 partials)
-    part_acc = torch.empty(n, heads, num_splits, dim, dtype=part_t, device=q.device)
-    part_ml = torch.empty(2, n, heads, num_splits, dtype=part_t, device=q.device)
+    part_acc = torch.empty(n, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(2, n, heads, num_splits, dtype=torch.float32, device=q.device)
     sel = scores if select else block_table if dense else block_ids  # dense: a typed stand-in, never read
     block_topk = 1 if dense else triton.next_power_of_2(topk)
     short, chunk = topk_widths(scores.shape[2], block_topk) if select else (1, 1)
     pdl = pdl and pdl_supported(q.device)
     _attention_split_kernel[(n, kv_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml, epoch if flag else seq_lens,
+        q, kv_cache, block_table, seq_lens, sel, part_acc, part_ml,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
         sparse_tiles, num_splits, float(k_scale) * LOG2E / math.sqrt(dim), float(v_scale),
@@ -338,11 +307,10 @@ def _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num
         BLOCK_N=tile, BLOCK_TOPK=block_topk, DENSE=dense, SELECT=select, SHORT=short, CHUNK=chunk,
         PAGES=near_pages(scores.shape[2], block_topk) if select else 1,
         F16=kv_cache.dtype == torch.float8_e4m3fn, DOT_FP32=q.device.type != "cuda", PDL=pdl,
-        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", FLAG=flag, num_warps=4,
+        PAGES_FIRST=select and os.environ.get("MINIMAX_OPS_NO_PAGES_FIRST") != "1", num_warps=4,
         num_stages=SPLIT_LAUNCH["num_stages"], launch_pdl=pdl)
-    _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, epoch if flag else seq_lens, num_splits, out.stride(0),
-                                        HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, FLAG=flag == 2, num_warps=4,
-                                        launch_pdl=pdl)
+    _attention_merge_kernel[(n, heads)](part_acc, part_ml, out, num_splits, out.stride(0),
+                                        HEAD_DIM=dim, SPLIT_CHUNK=SPLIT_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -367,28 +335,21 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table
 def index_sparse_attention_decode(q: torch.Tensor, scores: torch.Tensor, kv_cache: torch.Tensor,
                                   block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int, topk: int,
                                   k_scale: float = 1.0, v_scale: float = 1.0, *,
-                                  num_splits: int | None = None, pdl: bool = False,
-                                  epoch: torch.Tensor | None = None, flag_partials: bool = False) -> torch.Tensor:
+                                  num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """sparse_attention_decode over index_topk's selection made in-kernel: scores fp32 [n, KVH, W] are
     the indexer's block scores (kernels/index_topk.py ``index_scores``, index head h serving kv head h,
     W = block_table's width); each token's kv head attends over the blocks index_topk would choose
     (the local block and the best others, topk at most). Equal to index_topk + sparse_attention_decode
-    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait; with epoch
-    (flags.epoch), scores are index_scores' int64 flagged words, polled instead (no wait), and with
-    flag_partials the merge polls the splits' partials the same way."""
+    up to the order of the splits' sums. With pdl, the scores are read only after the PDL wait."""
     _check_common(q, kv_cache, block_table, seq_lens, query_len)
     n, kv_heads, width = q.shape[0], kv_cache.shape[1], block_table.shape[1]
-    _need(scores.dim() == 3 and scores.shape == (n, kv_heads, width)
-          and scores.dtype == (torch.float32 if epoch is None else torch.int64) and scores.stride(2) == 1,
-          f"scores: expected an {'fp32' if epoch is None else 'int64 (flagged)'} [{n}, {kv_heads}, {width}] tensor "
-          f"(index_scores' block scores) with a contiguous last dimension, got {scores.dtype} shape "
-          f"{tuple(scores.shape)}")
+    _need(scores.dim() == 3 and scores.shape == (n, kv_heads, width) and scores.dtype == torch.float32
+          and scores.stride(2) == 1,
+          f"scores: expected an fp32 [{n}, {kv_heads}, {width}] tensor (index_scores' block scores) with a "
+          f"contiguous last dimension, got {scores.dtype} shape {tuple(scores.shape)}")
     _need(topk >= 1, f"topk: expected >= 1, got {topk}")
-    _need(epoch is not None or not flag_partials, "flag_partials: needs epoch (the scores' flagged words)")
-    if epoch is not None:
-        check_epoch(epoch, q.device)
     return _launch(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale, num_splits, pdl,
-                   scores=scores, topk=topk, epoch=epoch, flag_partials=flag_partials)
+                   scores=scores, topk=topk)
 
 
 def dense_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -418,7 +379,7 @@ def aot_specs() -> list[KernelSpec]:
                         _attention_split_kernel,
                         {"q_ptr": "*bf16", "kv_ptr": kv_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                          "select_ptr": "*fp32" if select else "*i32", "part_acc_ptr": "*fp32",
-                         "part_ml_ptr": "*fp32", "epoch_ptr": "*i32",
+                         "part_ml_ptr": "*fp32",
                          "stride_qn": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
                          "stride_ks": "i32", "stride_bt": "i32", "stride_in": "i32", "stride_ih": "i32",
                          "num_sparse_tiles": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32"},
@@ -426,21 +387,12 @@ def aot_specs() -> list[KernelSpec]:
                          "BLOCK_SIZE": bs, "BLOCK_N": tile, "BLOCK_TOPK": 1 if dense else topk,
                          "DENSE": dense, "SELECT": select, "SHORT": short if select else 1,
                          "CHUNK": chunk if select else 1, "PAGES": near_pages(width, topk) if select else 1,
-                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select, "FLAG": 0},
+                         "F16": kv_t == "*fp8e4nv", "DOT_FP32": False, "PAGES_FIRST": select},
                         num_warps=4, num_stages=SPLIT_LAUNCH["num_stages"],
                         name=f"attention_{kind}_d{dim}_bs{bs}_q{query_len}_{kv_t[1:]}_t{tile}"))
         specs.append(KernelSpec(
             _attention_merge_kernel,
-            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "epoch_ptr": "*i32",
-             "num_splits": "i32", "stride_on": "i32"},
-            {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK, "FLAG": False}, num_warps=4, name=f"attention_merge_d{dim}"))
-    specs = with_pdl_variants(specs)
-    # The flagged handoffs (one-token steps, the real size): the splits poll the scores (1) and flag their
-    # partials (2), which the merge polls.
-    parts = ("part_acc_ptr", "part_ml_ptr")
-    return specs + flagged_specs(
-        specs, lambda s: s.constexprs.get("SELECT") and s.constexprs["QUERY_LEN"] == 1
-        and s.signature["kv_ptr"] == "*fp8e4nv" and s.constexprs["HEAD_DIM"] == 128,
-        {"flag1": ({"FLAG": 1}, ("select_ptr",)), "flag2": ({"FLAG": 2}, ("select_ptr", *parts))}) + flagged_specs(
-        specs, lambda s: s.kernel is _attention_merge_kernel and s.constexprs["HEAD_DIM"] == 128,
-        {"flag": ({"FLAG": True}, parts)})
+            {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
+             "stride_on": "i32"},
+            {"HEAD_DIM": dim, "SPLIT_CHUNK": SPLIT_CHUNK}, num_warps=4, name=f"attention_merge_d{dim}"))
+    return with_pdl_variants(specs)

@@ -31,7 +31,7 @@ import torch
 
 from ..reference import swiglu_oai
 
-from . import attention, flags, index_topk, moe, mx_linear, norm, qkv_mma, router
+from . import attention, index_topk, moe, mx_linear, norm, qkv_mma, router
 
 
 def _out_dtype(out_fp32: bool) -> torch.dtype:
@@ -47,21 +47,7 @@ def _input_add_rmsnorm(x, residual, weight, eps):
     # its wait (which then covers the norm's). Not the post norm: its router's programs would take places on
     # o_proj's tail (BENCHMARKS.md). MINIMAX_OPS_NORM_LAUNCH_FIRST=0 (read at every call) turns it off.
     return norm.add_rmsnorm(x, residual, weight, eps, pdl=True,
-                            launch_first=os.environ.get("MINIMAX_OPS_NORM_LAUNCH_FIRST") != "0",
-                            epoch=flags.epoch(x.device) if _flagged_handoffs(x) else None)
-
-
-def _flagged_handoffs(x: torch.Tensor) -> int:
-    """MINIMAX_OPS_FLAGGED_HANDOFF (read at every call, so a CUDA graph keeps the form it was captured with), in
-    one-token steps with PDL: the attention block's handoffs made by flagged words (flags.py) instead of grid
-    waits; 1: the score pass's to the splits, 2: also the splits' to the merge; 0 (default): none. Not measured
-    yet (BENCHMARKS.md, fifty-second session)."""
-    level = os.environ.get("MINIMAX_OPS_FLAGGED_HANDOFF", "0")
-    if level == "0":  # (the default: nothing else to ask)
-        return 0
-    if level not in ("1", "2"):
-        raise ValueError(f"MINIMAX_OPS_FLAGGED_HANDOFF: expected 0, 1 or 2, got {level!r}")
-    return int(level) if x.shape[0] == 1 and norm.pdl_supported(x.device) else 0
+                            launch_first=os.environ.get("MINIMAX_OPS_NORM_LAUNCH_FIRST") != "0")
 
 
 def _mx_linear(x, weight, scale, out_fp32=False):
@@ -162,13 +148,10 @@ def kernel_stages() -> SimpleNamespace:
             block_ids = index_topk_(index_q, index_cache, block_table, seq_lens, query_len, topk)
             return sparse_attention_decode(q, kv_cache, block_table, seq_lens, block_ids, query_len, k_scale, v_scale)
         # The score pass is a programmatic dependent in one-token steps only, as in index_topk_.
-        one = index_q.shape[0] == 1
-        level = _flagged_handoffs(q)
-        epoch = flags.epoch(q.device) if level else None
-        scores = index_topk.index_scores(index_q, index_cache, block_table, seq_lens, query_len, pdl=one, epoch=epoch)
+        scores = index_topk.index_scores(index_q, index_cache, block_table, seq_lens, query_len,
+                                         pdl=index_q.shape[0] == 1)
         return attention.index_sparse_attention_decode(q, scores, kv_cache, block_table, seq_lens, query_len, topk,
-                                                       k_scale, v_scale, pdl=True, epoch=epoch,
-                                                       flag_partials=level == 2)
+                                                       k_scale, v_scale, pdl=True)
 
     def dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale):
         return attention.dense_attention_decode(q, kv_cache, block_table, seq_lens, query_len, k_scale, v_scale,

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .flags import check_epoch, flag_tag, flag_words, flagged_specs, poll_words
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 from .tiles import num_sms
 
@@ -55,26 +54,20 @@ def _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_c
 
 
 @triton.jit
-def _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE: tl.constexpr, tag=0,
-                       FLAG: tl.constexpr = False):
-    """Block b's score of every (token, head) row: the max over its causal positions of q . key (FLAG: as
-    flagged words, flags.py)."""
+def _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE: tl.constexpr):
+    """Block b's score of every (token, head) row: the max over its causal positions of q . key."""
     s = tl.dot(q, tl.trans(keys))  # [BLOCK_M, BLOCK_SIZE] fp32
     s = tl.where((b * BLOCK_SIZE + offs)[None, :] < kv_len[:, None], s, float("-inf"))
-    if FLAG:
-        tl.store(score_ptrs + b, flag_words(tag, tl.max(s, axis=1).to(tl.int32, bitcast=True)), mask=row_ok)
-    else:
-        tl.store(score_ptrs + b, tl.max(s, axis=1), mask=row_ok)
+    tl.store(score_ptrs + b, tl.max(s, axis=1), mask=row_ok)
 
 
 @triton.jit
-def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr, epoch_ptr,
+def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_ptr,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_bt, stride_sn, stride_sh,
                         num_splits,
                         QUERY_LEN: tl.constexpr, INDEX_HEADS: tl.constexpr, INDEX_DIM: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, F16: tl.constexpr, DOT_FP32: tl.constexpr,
-                        PDL: tl.constexpr, EARLY: tl.constexpr = True, FLAG: tl.constexpr = False):
-    # FLAG: scores_ptr holds int64 flagged words (flags.py) that the attention split polls without a grid wait.
+                        PDL: tl.constexpr, EARLY: tl.constexpr = True):
     req = tl.program_id(0)
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -93,9 +86,6 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
     if PDL:  # launched as a programmatic dependent: wait for the previous kernel's outputs
         gdc_wait()
         gdc_launch_dependents()
-    tag = 0
-    if FLAG:
-        tag = flag_tag(epoch_ptr)
 
     # Rows of the score tile: (query token j, index head h), padded to BLOCK_M >= 16 for tl.dot.
     rows = tl.arange(0, BLOCK_M)
@@ -118,25 +108,21 @@ def _index_score_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, scores_
         if not early:
             keys = _block_keys(cache_ptr, block_table_ptr, req, b_start, seq_len, stride_cb, stride_cs, stride_bt,
                                offs, d, True, F16, DOT_FP32)
-        _store_block_score(q, keys, b_start, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE, tag, FLAG)
+        _store_block_score(q, keys, b_start, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
     for b in range(b_start + 1, b_end):
         keys = _block_keys(cache_ptr, block_table_ptr, req, b, seq_len, stride_cb, stride_cs, stride_bt, offs, d,
                            True, F16, DOT_FP32)
-        _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE, tag, FLAG)
+        _store_block_score(q, keys, b, kv_len, score_ptrs, row_ok, offs, BLOCK_SIZE)
 
 
 @triton.jit
-def topk_keys(row, blk, nb, tag=0, FLAG: tl.constexpr = False):
-    """Blocks blk of a score row (fp32 pointer, one score per block; FLAG: int64 flagged words, polled
-    until they carry tag) as unique int64 keys:
+def topk_keys(row, blk, nb):
+    """Blocks blk of a score row (fp32 pointer, one score per block) as unique int64 keys:
     (order-preserving int32 of the score) << 32 | block, so that one int64 max selects both. The local
     block (nb - 1) is the largest; entries past nb are not read and get the smallest high word, so
     they sort below every real block."""
     valid = blk < nb
-    if FLAG:
-        bits = poll_words(row + blk, valid, tag)
-    else:
-        bits = tl.load(row + blk, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+    bits = tl.load(row + blk, mask=valid, other=0.0).to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     ordered = tl.where(blk == nb - 1, 2147483647, ordered)  # the local block always wins
     ordered = tl.where(valid, ordered, -2147483648)
@@ -144,8 +130,7 @@ def topk_keys(row, blk, nb, tag=0, FLAG: tl.constexpr = False):
 
 
 @triton.jit
-def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr, tag=0,
-                      FLAG: tl.constexpr = False):
+def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr, CHUNK: tl.constexpr):
     """The top-k selection of one (token, index head) score row of nb blocks: int32 [BLOCK_K] logical
     block ids, best first (the local block nb - 1 first), -1 from min(nb, topk) on. Keys are unique,
     so the selection is deterministic: every program that selects from the same row gets the same ids.
@@ -161,9 +146,9 @@ def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr,
         GROUP: tl.constexpr = SHORT // BLOCK_K
         NG: tl.constexpr = CHUNK // GROUP
         slice_blocks = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        lead = tl.topk(tl.max(topk_keys(row, slice_blocks, nb, tag, FLAG), axis=1), BLOCK_K)  # (the first slice)
+        lead = tl.topk(tl.max(topk_keys(row, slice_blocks, nb), axis=1), BLOCK_K)  # (the first slice)
         for start in range(CHUNK, nb, CHUNK):
-            maxima = tl.max(topk_keys(row, start + slice_blocks, nb, tag, FLAG), axis=1)
+            maxima = tl.max(topk_keys(row, start + slice_blocks, nb), axis=1)
             lead = tl.topk(tl.reshape(tl.join(lead, tl.topk(maxima, BLOCK_K)), [2 * BLOCK_K]), BLOCK_K)
         # The kept groups' blocks, GROUP a group, in a tensor made like a short row's: the groups (distinct)
         # are taken out of `kept` one scalar at a time, so no tensor changes layout. (A selection in the
@@ -176,7 +161,7 @@ def select_blocks_row(row, nb, topk, BLOCK_K: tl.constexpr, SHORT: tl.constexpr,
             group = tl.max(kept, axis=0)
             kept = tl.where(kept == group, -1, kept)
             blocks += tl.where(slot == i, group * GROUP, 0)
-    best = tl.topk(topk_keys(row, blocks, nb, tag, FLAG), BLOCK_K)
+    best = tl.topk(topk_keys(row, blocks, nb), BLOCK_K)
     k = tl.arange(0, BLOCK_K)
     return tl.where((k < nb) & (k < topk), (best & 0xFFFFFFFF).to(tl.int32), -1)
 
@@ -251,40 +236,33 @@ def _check_inputs(index_q, index_cache, block_table, seq_lens, query_len) -> Non
           f"index_q: expected {num_reqs} requests x query_len={query_len} tokens, got {n}")
 
 
-def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl, epoch=None) -> torch.Tensor:
-    """Pass 1 on checked inputs -> fp32 [n, Hi, W] block scores (entries at or past a token's nb unwritten);
-    with epoch (flags.epoch), int64 flagged words of them."""
+def _score(index_q, index_cache, block_table, seq_lens, query_len, pdl) -> torch.Tensor:
+    """Pass 1 on checked inputs -> fp32 [n, Hi, W] block scores (entries at or past a token's nb unwritten)."""
     n, heads, dim = index_q.shape
     num_reqs, width = block_table.shape
-    scores = torch.empty(n, heads, width, dtype=torch.float32 if epoch is None else torch.int64,
-                         device=index_q.device)
+    scores = torch.empty(n, heads, width, dtype=torch.float32, device=index_q.device)
     if n == 0:
         return scores
     num_splits = max(1, min(width, triton.cdiv(_num_programs(index_q.device), num_reqs)))
     _index_score_kernel[(num_reqs, num_splits)](
-        index_q, index_cache, block_table, seq_lens, scores, seq_lens if epoch is None else epoch,
+        index_q, index_cache, block_table, seq_lens, scores,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
         block_table.stride(0), scores.stride(0), scores.stride(1), num_splits,
         QUERY_LEN=query_len, INDEX_HEADS=heads, INDEX_DIM=dim, BLOCK_SIZE=index_cache.shape[1],
         BLOCK_M=_block_m(query_len, heads), F16=index_cache.dtype == torch.float8_e4m3fn,
         DOT_FP32=index_q.device.type != "cuda", PDL=pdl, EARLY=os.environ.get("MINIMAX_OPS_NO_SCORE_EARLY") != "1",
-        FLAG=epoch is not None, num_warps=SCORE_LAUNCH["num_warps"],
+        num_warps=SCORE_LAUNCH["num_warps"],
         num_stages=SCORE_LAUNCH["num_stages"], launch_pdl=pdl)
     return scores
 
 
 def index_scores(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, query_len: int, *, pdl: bool = False,
-                 epoch: torch.Tensor | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, query_len: int, *, pdl: bool = False) -> torch.Tensor:
     """Pass 1 alone (inputs as index_topk's) -> fp32 [n, Hi, W] block scores, W = block_table's
     width: entry b of a token's row is block b's score for b < the token's block count nb; entries
-    from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does).
-    With epoch (flags.epoch): int64 flagged words of the scores (flags.py), tagged with the epoch's value."""
+    from nb on are not written (whatever reads the scores must stop at nb, as select_blocks_row does)."""
     _check_inputs(index_q, index_cache, block_table, seq_lens, query_len)
-    if epoch is not None:
-        check_epoch(epoch, index_q.device)
-    return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl and pdl_supported(index_q.device),
-                  epoch)
+    return _score(index_q, index_cache, block_table, seq_lens, query_len, pdl and pdl_supported(index_q.device))
 
 
 def index_topk(index_q: torch.Tensor, index_cache: torch.Tensor, block_table: torch.Tensor,
@@ -326,13 +304,12 @@ def aot_specs() -> list[KernelSpec]:
                 specs.append(KernelSpec(
                     _index_score_kernel,
                     {"q_ptr": "*bf16", "cache_ptr": cache_t, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "scores_ptr": "*fp32", "epoch_ptr": "*i32", "stride_qn": "i32", "stride_qh": "i32",
-                     "stride_cb": "i32",
+                     "scores_ptr": "*fp32", "stride_qn": "i32", "stride_qh": "i32", "stride_cb": "i32",
                      "stride_cs": "i32", "stride_bt": "i32", "stride_sn": "i32", "stride_sh": "i32",
                      "num_splits": "i32"},
                     {"QUERY_LEN": query_len, "INDEX_HEADS": heads, "INDEX_DIM": dim, "BLOCK_SIZE": bs,
                      "BLOCK_M": _block_m(query_len, heads), "F16": cache_t == "*fp8e4nv", "DOT_FP32": False,
-                     "EARLY": True, "FLAG": False},
+                     "EARLY": True},
                     num_warps=SCORE_LAUNCH["num_warps"], num_stages=SCORE_LAUNCH["num_stages"], name=f"index_score_d{dim}_bs{bs}_q{query_len}_{cache_t[1:]}"))
             block_k = triton.next_power_of_2(topk)
             short, chunk = topk_widths(width, block_k)
@@ -346,6 +323,4 @@ def aot_specs() -> list[KernelSpec]:
     specs = with_pdl_variants(specs)
     # The real size's one-token PDL launch without the early read (MINIMAX_OPS_NO_SCORE_EARLY=1)
     early = next(s for s in specs if s.name == "index_score_d128_bs128_q1_fp8e4nv_pdl")
-    # ... and its flagged form (flags.py: the scores as flagged words the attention splits poll).
-    return specs + [replace(early, constexprs={**early.constexprs, "EARLY": False}, name=f"{early.name}_late")] + \
-        flagged_specs([early], lambda s: True, {"flag": ({"FLAG": True}, ("scores_ptr",))})
+    return specs + [replace(early, constexprs={**early.constexprs, "EARLY": False}, name=f"{early.name}_late")]

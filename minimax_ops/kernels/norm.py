@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec, with_pdl_variants
-from .flags import bump_epoch, check_epoch, flagged_specs
 from .mx_decode import gdc_launch_dependents, gdc_wait, pdl_supported
 
 
@@ -27,11 +26,11 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr, epoch_ptr,
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr,
                     stride_x, stride_res, stride_h, stride_res_out,
                     hidden, eps,
                     BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                    LAUNCH_FIRST: tl.constexpr = False, BUMP: tl.constexpr = False):
+                    LAUNCH_FIRST: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -43,9 +42,6 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, h_ptr, res_out_ptr, epoch_ptr,
         else:
             gdc_wait()
             gdc_launch_dependents()
-    if BUMP:  # the layer's first kernel: every reader of the last call's flag epoch is complete (flags.py)
-        if row == 0:
-            bump_epoch(epoch_ptr)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if x_ptr.dtype.element_ty == tl.float32:  # an fp32 all-reduce sum: first the bf16 the vocabulary's would give
         x = round_to_bf16(x)
@@ -115,8 +111,7 @@ def check_deferred_norm(weight: torch.Tensor, sumsq: torch.Tensor, n: int, hidde
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                eps: float, *, pdl: bool = False, launch_first: bool = False,
-                epoch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, *, pdl: bool = False, launch_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = bf16(residual + x) (fp32 add); h = gemma_rmsnorm(residual_out, weight).
 
     x, residual: bf16 [n, H]; x may be fp32 too (a tensor-parallel all-reduce's sum, which the fused layer
@@ -124,7 +119,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     bits they would have after that op); weight [H] (bf16 or fp32). Returns (h, residual_out), both bf16 [n, H].
     ``launch_first`` (with ``pdl``): the next kernel launches before this one waits for the previous one,
     for a next kernel that reads nothing but weights before its own wait (which then covers both).
-    ``epoch`` (flags.epoch): bumped by one after the wait, for the flagged handoffs of the layer this norm starts.
     """
     check_rows("x", x, dtypes=(torch.bfloat16, torch.float32))
     n, hidden = x.shape
@@ -138,13 +132,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return h, res_out
     block_h = triton.next_power_of_2(hidden)
     pdl = pdl and pdl_supported(x.device)
-    bump = epoch is not None
-    if bump:
-        check_epoch(epoch, x.device)
-    _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out, epoch if bump else x,
+    _rmsnorm_kernel[(n,)](x, residual, weight, h, res_out,
                           x.stride(0), residual.stride(0), h.stride(0), res_out.stride(0),
                           hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=True, PDL=pdl, LAUNCH_FIRST=pdl and launch_first,
-                          BUMP=bump, num_warps=_num_warps(block_h), launch_pdl=pdl)
+                          num_warps=_num_warps(block_h), launch_pdl=pdl)
     return h, res_out
 
 
@@ -158,7 +149,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return h
     block_h = triton.next_power_of_2(hidden)
     # The residual pointers are unused (HAS_RESIDUAL=False); pass x so the signature stays typed.
-    _rmsnorm_kernel[(n,)](x, x, weight, h, x, x, x.stride(0), x.stride(0), h.stride(0), x.stride(0),
+    _rmsnorm_kernel[(n,)](x, x, weight, h, x, x.stride(0), x.stride(0), h.stride(0), x.stride(0),
                           hidden, eps, BLOCK_H=block_h, HAS_RESIDUAL=False, PDL=False, num_warps=_num_warps(block_h))
     return h
 
@@ -173,16 +164,13 @@ def aot_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(
                 _rmsnorm_kernel,
                 {"x_ptr": x_type, "res_ptr": "*bf16", "w_ptr": w_type, "h_ptr": "*bf16",
-                 "res_out_ptr": "*bf16", "epoch_ptr": x_type, "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
+                 "res_out_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_h": "i32",
                  "stride_res_out": "i32", "hidden": "i32", "eps": "fp32"},
-                {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False, "BUMP": False},
-                num_warps=_num_warps(block_h),
+                {"BLOCK_H": block_h, "HAS_RESIDUAL": has_res, "LAUNCH_FIRST": False}, num_warps=_num_warps(block_h),
                 name=f"rmsnorm_h{hidden}_{w_type[1:]}{'_residual' if has_res else ''}"
                      f"{'_x_fp32' if x_type == '*fp32' else ''}"))
     specs = with_pdl_variants(specs)
     # The fused layer's input norm letting its dependent launch first (CUDA, PDL).
-    first = [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
-             for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"] and s.signature["x_ptr"] == "*bf16"]
-    # ... bumping the flag epoch too (flags.py: the layer's flagged handoffs), at the real size.
-    return specs + first + flagged_specs(first, lambda s: s.constexprs["BLOCK_H"] == 8192,
-                                         {"bump": ({"BUMP": True}, ())})
+    return specs + [dataclasses.replace(s, constexprs={**s.constexprs, "LAUNCH_FIRST": True}, name=f"{s.label()}_first")
+                    for s in specs if s.constexprs["PDL"] and s.constexprs["HAS_RESIDUAL"]
+                    and s.signature["x_ptr"] == "*bf16"]
