@@ -43,7 +43,7 @@ import sys
 import torch
 
 from minimax_ops.bench import _time, copy_bandwidth, layer_chain
-from minimax_ops.kernels import attention, decode_layer, index_topk, moe, router
+from minimax_ops.kernels import attention, decode_layer, index_topk, moe, moe_combine, router
 from minimax_ops.kernels.tiles import num_sms, router_config
 from minimax_ops.timeline import kernel_timelines
 
@@ -68,7 +68,7 @@ LEGACY = {"post-attention norm": {"post"}, "both norms": {"input", "post"}, "rou
           "both norms and the router": {"input", "post", "route"}, "router top-k": {"topk"},
           "router top-k and merge": {"topk", "merge"}}
 _SKIPPED = {"topk": (router, "_router_topk_kernel"), "merge": (attention, "_attention_merge_kernel"),
-            "combine": (moe, "_moe_combine_kernel")}
+            "combine": (moe_combine, "_moe_combine_kernel")}
 
 
 class _NoLaunch:

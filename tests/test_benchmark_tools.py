@@ -255,22 +255,22 @@ def test_stage_removal_skips_only_the_named_kernel(tools, monkeypatch):
     assert sr._first_full("merge", 7, run, 2) == 1 and launched == [(1,)]
     assert isinstance(attention._attention_merge_kernel, Kernel)
     # The expert combine, through the experts' hook (keyed by the gate): the experts run, the combine not.
-    from minimax_ops.kernels import moe
-    monkeypatch.setattr(moe, "_moe_combine_kernel", Kernel())
+    from minimax_ops.kernels import moe_combine
+    monkeypatch.setattr(moe_combine, "_moe_combine_kernel", Kernel())
     monkeypatch.setitem(sr._STATE, "combine", {})
     monkeypatch.setitem(sr._STATE, "remove", {"combine"})
     experts = []
 
     def routed(h, gate, *args, **kwargs):
         experts.append(h)
-        moe._moe_combine_kernel[(h,)]()
+        moe_combine._moe_combine_kernel[(h,)]()
         return h
 
     monkeypatch.setattr(sr, "_ROUTED", routed)
     gate = torch.zeros(2)
     assert sr._routed_moe_experts(3, gate, pdl=True) == 3 and sr._routed_moe_experts(4, gate, pdl=True) == 3
     assert experts == [3, 4] and launched == [(1,), (3,)]
-    assert isinstance(moe._moe_combine_kernel, Kernel)
+    assert isinstance(moe_combine._moe_combine_kernel, Kernel)
 
 
 def test_gluon_ring_stream_lays_a_programs_step_in_one_box(tools):

@@ -12,9 +12,7 @@ moe_experts streams each *distinct* chosen expert's weights once per step, with 
   and the last split program of a tile to finish sums them (fixed order) and applies SwiGLU.
 - ``_moe_w2_kernel`` (slot, H tile, I split): a @ W2^T for the choosing tokens, written fp32 to
   y[split, token, top-k column, H]. a and y have one row per (token, column) pair: O(n*k) memory.
-- ``_moe_combine_kernel`` (token, H tile): out = y_shared + sum_j w_j * y_j (each summed over the
-  I splits) in a fixed order, so the result is deterministic (no float atomics). Ids outside
-  [0, num_routed) contribute nothing.
+- moe_combine.py's kernel (token, H tile): out = y_shared + sum_j w_j * y_j, in a fixed order.
 Splitting H / I spreads the few experts of a small step over every SM without shrinking the
 weight tiles (small tiles cost more instructions per weight value). A shared expert given
 separately in another format than the routed table runs through the same kernels in SHARED_ONLY
@@ -38,11 +36,11 @@ from .mx_decode import (FORMAT_NAMES, POINTER_TYPES, PREFETCH_BYTES, as_kernel_o
                         gdc_launch_dependents, gdc_wait, mxfp4_ptx, pdl_supported, prefetch_l2, stream_rows)
 from .expert_slots import program_expert, slot_weights, swiglu_oai, token_columns
 from . import router
+from .moe_combine import combine_experts
 from .moe_mma import launch_mma_experts
 from .norm import check_rows
 from .splitk import last_arrival, split_counters, sum_splits
-from .tiles import (COMBINE_BLOCK, EXPERT_FORMATS, TOKEN_BLOCK, ExpertTiles, combine_block, expert_tiles, fit_chunks,
-                    num_sms)
+from .tiles import EXPERT_FORMATS, TOKEN_BLOCK, ExpertTiles, expert_tiles, fit_chunks, num_sms
 
 @triton.jit
 def _store_activation(acc, a_ptr, offs_m, col, chosen, offs_i, inter_e, stride_am, stride_acol, alpha, limit,
@@ -178,35 +176,6 @@ def _moe_w2_kernel(a_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, ss_ptr, y_ptr,
                 y_ptrs = (y_ptr + tl.program_id(2) * stride_ysplit + offs_m.to(tl.int64)[:, None] * stride_ym
                           + col[:, None] * stride_ycol + offs_n[None, :])
                 tl.store(y_ptrs, acc, mask=chosen[:, None] & (offs_n[None, :] < hidden))
-
-
-@triton.jit
-def _moe_combine_kernel(y_ptr, topk_weights_ptr, ids_ptr, out_ptr, hidden, stride_ysplit, stride_ym, stride_ycol,
-                        stride_om, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Grid (token, H tile): out = y[shared] + sum over j = 0..k-1 of w_j * y[j], in that order,
-    each y summed over the I splits first."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < hidden
-    y_row = y_ptr + t * stride_ym + offs_h
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if HAS_SHARED:
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(y_row + s * stride_ysplit + TOPK * stride_ycol, mask=h_mask, other=0.0)
-    for j in tl.static_range(TOPK):
-        expert = tl.load(ids_ptr + t * TOPK + j)
-        ok = (expert >= 0) & (expert < NUM_ROUTED)  # y rows of invalid ids were never written
-        y = tl.zeros([BLOCK_H], dtype=tl.float32)
-        # y's loads do not wait for the id (one round trip after the PDL wait, not two): an invalid
-        # id's row is read (in bounds, never written) and dropped by the select, NaNs and all.
-        for s in tl.static_range(SPLIT):
-            y += tl.load(y_row + s * stride_ysplit + j * stride_ycol, mask=h_mask, other=0.0)
-        acc += tl.where(ok, tl.load(topk_weights_ptr + t * TOPK + j) * y, 0.0)
-    tl.store(out_ptr + t * stride_om + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 # ---- wrappers ----------------------------------------------------------------------------------------------
@@ -430,11 +399,8 @@ def _run_experts(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor,
                         a_shared, y, spart, slots=1, inter=inter_shared, n_routed=num_routed_experts,
                         shared_slot=False, shared_separate=False, shared_only=True, t13=st13, t2=st2,
                         alpha=alpha, limit=limit, pdl=pdl, norm=norm)
-    block_h = combine_block()
-    _moe_combine_kernel[(n, triton.cdiv(hidden, block_h))](
-        y, topk_weights, ids, out, hidden, y.stride(0), y.stride(1), y.stride(2), out.stride(0),
-        NUM_ROUTED=num_routed_experts, TOPK=top_k, HAS_SHARED=has_shared, BLOCK_H=block_h, SPLIT=t2.split,
-        PDL=pdl, num_warps=4, launch_pdl=pdl)
+    combine_experts(y, topk_weights, ids, out, num_routed=num_routed_experts, top_k=top_k, has_shared=has_shared,
+                    split=t2.split, pdl=pdl)
     return out
 
 
@@ -578,27 +544,19 @@ def _all_expert_specs(ptx: bool, tiled: bool = False, pdl: bool = False) -> list
     return specs
 
 
+def combine_splits() -> list[int]:
+    """The I splits a real-size w2 launch can leave for the expert combine to sum (any format, mode, step)."""
+    hidden, inter, n_routed, top_k = AOT_SIZE
+    return sorted({_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)[1].split
+                   for fmt in EXPERT_FORMATS for mode in _MODES for n in AOT_TOKENS})
+
+
 def aot_specs() -> list[KernelSpec]:
-    """Every specialisation: the combine (real size: every split, with and without the shared
-    expert; the tiny size adds none) and the expert kernels (``_all_expert_specs``), row and tiled
-    layouts; the MXFP4 inline-PTX ones and the PDL ones for CUDA only (their ``targets``). PDL only
+    """Every specialisation of the expert kernels (``_all_expert_specs``; the combine's are moe_combine.py's), row
+    and tiled layouts; the MXFP4 inline-PTX ones and the PDL ones for CUDA only (their ``targets``). PDL only
     adds the prefetch and the waits, so where launches take both the PDL variant stands for the
     other: the PTX ones with PDL only (the fused layer's), the tiled ones without PDL for HIP only.
     None with PTX and tiled: tiled tables decode portably."""
-    specs = []
-    hidden, inter, n_routed, top_k = AOT_SIZE
-    splits = sorted({_launch_tiles(hidden, inter, n_routed, top_k, fmt, mode, n)[1].split
-                     for fmt in EXPERT_FORMATS for mode in _MODES for n in AOT_TOKENS})
-    for has_shared, pdl in ((True, False), (False, False), (True, True)):
-        for split in splits:
-            specs.append(KernelSpec(
-                _moe_combine_kernel,
-                {"y_ptr": "*fp32", "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
-                 "hidden": "i32", "stride_ysplit": "i32", "stride_ym": "i32", "stride_ycol": "i32",
-                 "stride_om": "i32"},
-                {"NUM_ROUTED": n_routed, "TOPK": top_k, "HAS_SHARED": has_shared, "BLOCK_H": COMBINE_BLOCK,
-                 "SPLIT": split, "PDL": pdl}, targets=("cuda",) if pdl else (),
-                name=f"moe_combine_h{hidden}_shared{int(has_shared)}_split{split}{'_pdl' if pdl else ''}"))
     tiled_hip = [dataclasses.replace(s, targets=("hip",)) for s in _all_expert_specs(ptx=False, tiled=True)]
-    return (specs + _all_expert_specs(ptx=False) + tiled_hip + _all_expert_specs(ptx=True, pdl=True)
+    return (_all_expert_specs(ptx=False) + tiled_hip + _all_expert_specs(ptx=True, pdl=True)
             + _all_expert_specs(ptx=False, tiled=True, pdl=True))

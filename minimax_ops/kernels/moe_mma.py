@@ -15,7 +15,7 @@ operand registers; FP8 selects the mxfp8_mma blocks).
   two, by the warps: tiles.py). MXFP8 (twice the bytes per block, shallower and split,
   already at 3+ programs per SM) and paired token groups stream gate, then up.
 - ``_mma_w2_kernel`` (slot, group of NW output row blocks, I split): y[split, token, column, h]
-  fp32 for the split's K blocks; moe.py's combine sums the splits. One-token steps hold three of its
+  fp32 for the split's K blocks; moe_combine.py's kernel sums the splits. One-token steps hold three of its
   load steps in registers (``RING``, ExpertTiles.ring), the others two.
 Tokens go 8 per pass (the mma's N). In steps of more than 8 tokens a routed expert's passes take
 only the tokens that chose it, in token order (``COMPACT``, expert_slots.chooser_tokens): fixed
