@@ -187,12 +187,10 @@ FRAGMENT_PROBE = textwrap.dedent('''
     launched = [spec for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs()
                 if spec.constexprs["PTX"] and not spec.constexprs["PDL"] and spec.constexprs.get("SEG_TOKENS", 1) == 1]
     for spec in [launched[i] for i in cover(launched)]:  # every value of every constexpr and num_warps
-        names = list(spec.signature)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                 if spec.signature[n].startswith("*") or n.startswith("stride") or n in SIXTEEN}
-        signature = {**spec.signature, **{k: "constexpr" for k in spec.constexprs}}
-        src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature,
-                                        constexprs=aot_check.constexpr_values(spec), attrs=attrs)
+        signature = aot_check.full_signature(spec)
+        src = triton.compiler.ASTSource(fn=aot_check.unwrap(spec.kernel), signature=signature,
+                                        constexprs=aot_check.constexpr_values(spec),
+                                        attrs=aot_check.launch_divisibility(signature, SIXTEEN))
         asm = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm
         ttgir = asm["ttgir"]

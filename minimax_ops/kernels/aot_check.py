@@ -258,6 +258,13 @@ def constexpr_values(spec) -> dict[str, object]:
     return values
 
 
+def launch_divisibility(signature: dict[str, str], sixteen: tuple[str, ...] = ()) -> dict:
+    """Triton's divisibility attributes as a CUDA launch specialises them: 16-byte aligned pointers, strides
+    multiples of 16, and the integer arguments in ``sixteen`` that the launches guarantee are too."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+            if kind.startswith("*") or (kind != "constexpr" and (name.startswith("stride") or name in sixteen))}
+
+
 _IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
 
 
@@ -268,10 +275,7 @@ def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resour
     from triton.backends.compiler import GPUTarget
     kernel = unwrap(spec.kernel)
     signature = full_signature(spec)
-    attrs = None
-    if target[0] == "cuda":  # as a launch specialises: 16-byte aligned pointers, strides multiples of 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-                 if kind.startswith("*") or (name.startswith("stride") and kind != "constexpr")}
+    attrs = launch_divisibility(signature) if target[0] == "cuda" else None
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec), attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if spec.max_registers and target[0] == "cuda":
