@@ -16,6 +16,7 @@ from .aot import KernelSpec
 from .mx_decode import gdc_launch_dependents, gdc_wait
 from .tiles import COMBINE_BLOCK, combine_block
 
+
 @triton.jit
 def _moe_combine_kernel(y_ptr, topk_weights_ptr, ids_ptr, out_ptr, hidden, stride_ysplit, stride_ym, stride_ycol,
                         stride_om, NUM_ROUTED: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
