@@ -174,8 +174,6 @@ def test_each_target_compiles_a_cover_and_cuda_every_spec_of_a_wgmma_kernel():
 
 FRAGMENT_PROBE = textwrap.dedent('''
     import json, re
-    import triton
-    from triton.backends.compiler import GPUTarget
     from minimax_ops.kernels import aot_check, linear_mma, moe_mma, qkv_mma
     from minimax_ops.kernels.aot import cover
 
@@ -187,12 +185,7 @@ FRAGMENT_PROBE = textwrap.dedent('''
     launched = [spec for spec in moe_mma.aot_specs() + linear_mma.aot_specs() + qkv_mma.aot_specs()
                 if spec.constexprs["PTX"] and not spec.constexprs["PDL"] and spec.constexprs.get("SEG_TOKENS", 1) == 1]
     for spec in [launched[i] for i in cover(launched)]:  # every value of every constexpr and num_warps
-        signature = aot_check.full_signature(spec)
-        src = triton.compiler.ASTSource(fn=aot_check.unwrap(spec.kernel), signature=signature,
-                                        constexprs=aot_check.constexpr_values(spec),
-                                        attrs=aot_check.launch_divisibility(signature, SIXTEEN))
-        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}).asm
+        asm = aot_check.compile_as_launched(spec, ("cuda", 90, 32), SIXTEEN).asm
         ttgir = asm["ttgir"]
         evict[spec.label()] = [bool(spec.constexprs.get("EVICT_FIRST")), "L2::evict_first" in asm["ptx"]]
         layouts = dict(re.findall(r"(#(?:blocked|linear)[0-9]*) = (#ttg.(?:blocked|linear)<[^>]*>)", ttgir))

@@ -268,23 +268,30 @@ def launch_divisibility(signature: dict[str, str], sixteen: tuple[str, ...] = ()
 _IR_FUNC = re.compile(r"tt\.func\s+(?:public\s+|private\s+)?@([\w.]+)")
 
 
-def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resources | None, int]:
-    """Compile down to the target's binary; returns the function symbols of the initial IR and, for CUDA, what
-    one program holds (cubin_resources) and how many wgmma instructions it issues."""
+def compile_as_launched(spec, target: tuple, sixteen: tuple[str, ...] = ()):
+    """triton.compile of the spec for target, specialised as a launch is (CUDA: ``launch_divisibility`` with
+    ``sixteen``, and the spec's register cap); the compiled kernel, its ``asm`` by stage."""
     import triton
     from triton.backends.compiler import GPUTarget
-    kernel = unwrap(spec.kernel)
     signature = full_signature(spec)
-    attrs = launch_divisibility(signature) if target[0] == "cuda" else None
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexpr_values(spec), attrs=attrs)
+    attrs = launch_divisibility(signature, sixteen) if target[0] == "cuda" else None
+    src = triton.compiler.ASTSource(fn=unwrap(spec.kernel), signature=signature, constexprs=constexpr_values(spec),
+                                    attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if spec.max_registers and target[0] == "cuda":
         options["maxnreg"] = spec.max_registers
-    compiled = triton.compile(src, target=GPUTarget(*target), options=options)
+    return triton.compile(src, target=GPUTarget(*target), options=options)
+
+
+def compile_spec(spec, target: tuple) -> tuple[list[str], cubin_resources.Resources | None, int]:
+    """Compile down to the target's binary; returns the function symbols of the initial IR and, for CUDA, what
+    one program holds (cubin_resources) and how many wgmma instructions it issues."""
+    compiled = compile_as_launched(spec, target)
     binary = "cubin" if target[0] == "cuda" else "hsaco"
     if not compiled.asm.get(binary):
         raise RuntimeError(f"compiled without producing a {binary}")
-    if "maxnreg" in options and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
+    capped = spec.max_registers and target[0] == "cuda"
+    if capped and f".maxnreg {spec.max_registers}" not in str(compiled.asm.get("ptx", "")):
         raise RuntimeError(f"the register cap {spec.max_registers} did not reach the PTX")
     resources, wgmma = None, 0
     if target[0] == "cuda":
