@@ -13,6 +13,27 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype` numbers at magnitude |x| (subnormal spacing below the normal range)."""
+    mantissa, min_exp = (3, -6) if dtype == FP8 else (7, -126)
+    exp = torch.floor(torch.log2(x.abs().float().clamp_min(2.0**min_exp)))
+    return torch.exp2(exp - mantissa)
+
+
+def assert_within_ulp(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """|actual - expected| <= 1 ulp of `dtype` at the larger magnitude, plus fp32 noise."""
+    a, e = actual.float().cpu(), expected.float().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    tol = ulp(torch.maximum(a.abs(), e.abs()), dtype) + 1e-5 * e.abs() + 1e-6
+    bad = (a - e).abs() > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {a.numel()} values off by more than one "
+                           f"{dtype} ulp, worst {(a - e).abs().max().item():.3g}")
+
+
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 
