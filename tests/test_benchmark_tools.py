@@ -15,7 +15,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 TOOLS = ("ab_fused", "stage_removal", "sweep_mma_linear", "sweep_attention", "sweep_kernels", "read_patterns",
          "ring_stream", "gluon_ring_stream", "pass_report", "handoff_latency", "select_latency", "gemv_weight_copies",
          "profile_layer", "read_ceiling")
-HELPERS = ("kernel_attributes",)  # imported by the tools, no main of their own
+HELPERS = ("kernel_attributes", "sweep_kernels_jobs")  # imported by the tools, no main of their own
 
 
 @pytest.fixture
