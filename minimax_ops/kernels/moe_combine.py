@@ -65,9 +65,10 @@ def aot_specs() -> list[KernelSpec]:
     size adds none); the PDL form (with the shared expert, as the fused layer launches it) for CUDA only."""
     from .moe import AOT_SIZE, combine_splits  # (moe.py imports this module to launch the combine)
     hidden, _, n_routed, top_k = AOT_SIZE
+    splits = combine_splits()
     specs = []
     for has_shared, pdl in ((True, False), (False, False), (True, True)):
-        for split in combine_splits():
+        for split in splits:
             specs.append(KernelSpec(
                 _moe_combine_kernel,
                 {"y_ptr": "*fp32", "topk_weights_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
